@@ -1,0 +1,24 @@
+import setuptools
+
+setuptools.setup(
+    name='speculative_t5x',
+    version='0.1.0',
+    description='Exact speculative decoding and the Big Little Decoder for T5 in JAX/Flax, T5X-native.',
+    packages=setuptools.find_packages(include=['speculative_t5x', 'speculative_t5x.*']),
+    python_requires='>=3.10',
+    install_requires=[
+        'jax>=0.4.30',
+        'jaxlib>=0.4.30',
+        'flax>=0.8.0',
+        'optax>=0.2.0',
+        'gin-config>=0.5.0',
+        'orbax-checkpoint>=0.5.0',
+        'tensorstore>=0.1.60',
+        'sentencepiece>=0.1.99',
+        'msgpack>=1.0',
+        'numpy>=1.24',
+    ],
+    extras_require={
+        'test': ['pytest>=7.0', 'scipy>=1.10'],
+    },
+)

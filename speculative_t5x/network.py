@@ -1,0 +1,548 @@
+"""The T5 1.1 encoder-decoder, parameter for parameter T5X's, with a multi-token per-row decoder cache.
+
+The parameter tree, initialisers, logical axis names and arithmetic follow
+`t5x/examples/t5/network.py`, so T5X checkpoints load unchanged and T5X's partitioning rules apply.
+What differs is the decoder cache. T5X's cache appends one token per call at one index shared by
+the whole batch and recomputes cross-attention keys/values every step; speculative decoding needs
+to append a chunk of k tokens, each row at its own position, and to move rows back after a
+rejection. Here the cache is an explicit `DecoderCache` pytree:
+
+  * self-attention keys/values `[batch, max_length, heads, head_dim]` per layer, written by a
+    scatter at `index[b] + j`, so rows of one batch sit at different positions;
+  * a per-row `index` `[batch]`. Attention masks and relative positions are computed from
+    positions, never from what has been written, so moving `index` back (rollback) makes stale
+    entries invisible and the next write overwrites them: the result equals never having written;
+  * cross-attention keys/values computed once from the encoder output.
+
+Shapes: `batch` rows, `length` token positions, `heads` x `head_dim` per attention, `emb` model
+width, `vocab` output classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import partitioning as nn_partitioning
+
+Array = jnp.ndarray
+DType = Any
+
+# T5's relative attention buckets.
+RELPOS_NUM_BUCKETS = 32
+RELPOS_MAX_DISTANCE = 128
+# Additive attention bias for masked positions, as T5X uses.
+MASK_BIAS = -1e10
+
+_ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu, 'linear': lambda x: x, 'silu': nn.silu}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """Hyperparameters of a T5 encoder-decoder (T5 1.0, 1.1 and mT5; names as T5X's T5Config).
+
+  T5 1.1: mlp_activations=('gelu', 'linear'), logits_via_embedding=False.
+  T5 1.0: mlp_activations=('relu',), logits_via_embedding=True.
+  `dtype` is the activation dtype; parameters are always stored in float32.
+  """
+  vocab_size: int
+  dtype: DType = jnp.float32
+  emb_dim: int = 512
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  head_dim: int = 64
+  mlp_dim: int = 2048
+  mlp_activations: Sequence[str] = ('relu',)
+  dropout_rate: float = 0.1
+  logits_via_embedding: bool = False
+  float32_attention_logits: bool = False
+
+  def __post_init__(self):
+    # Normalise so configs from gin/JSON (lists, dtype names) hash and compare equal.
+    object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
+    object.__setattr__(self, 'dtype', jnp.dtype(self.dtype))
+    unknown = [a for a in self.mlp_activations if a not in _ACTIVATIONS]
+    if unknown:
+      raise ValueError(f'Unknown mlp_activations {unknown}; known: {sorted(_ACTIVATIONS)}.')
+
+  def decode_flops_per_token(self) -> int:
+    """Multiply-adds of one decoder token, excluding attention over the cache (for cost ratios)."""
+    hd = self.num_heads * self.head_dim
+    per_layer = 4 * self.emb_dim * hd + 2 * self.emb_dim * hd + (
+        len(self.mlp_activations) + 1) * self.emb_dim * self.mlp_dim
+    return self.num_decoder_layers * per_layer + self.emb_dim * self.vocab_size
+
+
+# ------------------------------------------------------------------------------------------------
+# Relative position buckets.
+
+
+def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool,
+                             num_buckets: int = RELPOS_NUM_BUCKETS,
+                             max_distance: int = RELPOS_MAX_DISTANCE) -> np.ndarray:
+  """T5's bucketing of `key_position - query_position` (numpy, int32, same shape).
+
+  Half the buckets are exact small distances, the rest log-spaced up to `max_distance`.
+  Unidirectional (decoder) attention only distinguishes keys at or before the query.
+  """
+  n = -np.asarray(relative_position)
+  ret = np.zeros_like(n, dtype=np.int32)
+  if bidirectional:
+    num_buckets //= 2
+    ret += (n < 0).astype(np.int32) * num_buckets
+    n = np.abs(n)
+  else:
+    n = np.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  val_if_large = max_exact + (
+      np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps) /
+      np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(np.int32)
+  val_if_large = np.minimum(val_if_large, num_buckets - 1)
+  return ret + np.where(is_small, n, val_if_large).astype(np.int32)
+
+
+# Every distance at or beyond max_distance falls in the last bucket, so a table over
+# [-max_distance, max_distance] covers all lengths; it is computed once, in numpy, so that
+# traced (per-row, dynamic) positions get exactly the buckets T5X computes statically.
+_BUCKET_TABLES = {
+    bidirectional: relative_position_bucket(
+        np.arange(-RELPOS_MAX_DISTANCE, RELPOS_MAX_DISTANCE + 1), bidirectional)
+    for bidirectional in (False, True)
+}
+
+
+def _bucket(relative_position: Array, bidirectional: bool) -> Array:
+  table = jnp.asarray(_BUCKET_TABLES[bidirectional])
+  clipped = jnp.clip(relative_position, -RELPOS_MAX_DISTANCE, RELPOS_MAX_DISTANCE)
+  return table[clipped + RELPOS_MAX_DISTANCE]
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers.
+
+
+def _param(module: nn.Module, name: str, init: Callable, shape: Tuple[int, ...],
+           axes: Tuple[str, ...]) -> Array:
+  return nn_partitioning.param_with_axes(name, init, shape, jnp.float32, axes=axes)
+
+
+class Dense(nn.Module):
+  """A bias-free projection whose kernel is stored 2-D, `(prod(in_dims), prod(features))`, as T5X.
+
+  Contracts the last `contract_dims` axes of the input; returns `[..., *features]`.
+  """
+  features: Tuple[int, ...]
+  kernel_axes: Tuple[str, str]
+  contract_dims: int = 1
+  dtype: DType = jnp.float32
+  kernel_init: Callable = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    in_shape = x.shape[-self.contract_dims:]
+    in_size, out_size = int(np.prod(in_shape)), int(np.prod(self.features))
+
+    def init(key, shape, dtype):
+      # Initialise with the logical (unflattened) fan-in, as T5X's DenseGeneral does.
+      return self.kernel_init(key, tuple(in_shape) + tuple(self.features), dtype).reshape(shape)
+
+    kernel = _param(self, 'kernel', init, (in_size, out_size), self.kernel_axes)
+    x = x.reshape(x.shape[:-self.contract_dims] + (in_size,)).astype(self.dtype)
+    y = jnp.dot(x, kernel.astype(self.dtype))
+    return y.reshape(y.shape[:-1] + tuple(self.features))
+
+
+class RMSNorm(nn.Module):
+  """T5's layer norm: no mean subtraction and no bias, statistics in float32."""
+  dtype: DType = jnp.float32
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    x = x.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+    scale = _param(self, 'scale', nn.initializers.ones, (x.shape[-1],), ('embed',))
+    return y.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Embed(nn.Module):
+  """Token embedding `(vocab, emb)`, shared by encoder, decoder and (T5 1.0) the logits."""
+  num_embeddings: int
+  features: int
+  dtype: DType = jnp.float32
+
+  def setup(self):
+    self.embedding = _param(self, 'embedding', nn.initializers.normal(stddev=1.0),
+                            (self.num_embeddings, self.features), ('vocab', 'embed'))
+
+  def __call__(self, tokens: Array) -> Array:
+    """[batch, length] int -> [batch, length, emb]. A gather equals T5X's one-hot matmul exactly."""
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+
+  def attend(self, query: Array) -> Array:
+    """[..., emb] -> [..., vocab] logits against the embedding table."""
+    return jnp.dot(query.astype(self.dtype), self.embedding.astype(self.dtype).T)
+
+
+class RelativePositionBiases(nn.Module):
+  """Per-head attention bias from bucketed relative positions, shared by a stack's layers."""
+  num_heads: int
+  bidirectional: bool
+  dtype: DType = jnp.float32
+
+  @nn.compact
+  def __call__(self, query_positions: Array, key_positions: Array) -> Array:
+    """[batch, q] and [k] positions -> bias [batch, heads, q, k]."""
+    rel_embedding = _param(self, 'rel_embedding',
+                           nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform'),
+                           (self.num_heads, RELPOS_NUM_BUCKETS), ('heads', 'relpos_buckets'))
+    buckets = _bucket(key_positions[None, None, :] - query_positions[:, :, None],
+                      self.bidirectional)
+    bias = jnp.take(rel_embedding.astype(self.dtype), buckets, axis=1)  # [heads, batch, q, k]
+    return jnp.transpose(bias, (1, 0, 2, 3))
+
+
+class MultiHeadAttention(nn.Module):
+  """Dot-product attention with T5X's projections (no 1/sqrt(d): folded into the query init)."""
+  num_heads: int
+  head_dim: int
+  out_features: int
+  dtype: DType = jnp.float32
+  dropout_rate: float = 0.0
+  float32_logits: bool = False
+
+  def setup(self):
+    init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal')
+    depth_scaling = np.sqrt(self.head_dim).astype(np.float32)
+    query_init = lambda *args: init(*args) / depth_scaling
+    proj = functools.partial(Dense, features=(self.num_heads, self.head_dim),
+                             kernel_axes=('embed', 'joined_kv'), dtype=self.dtype)
+    self.query = proj(kernel_init=query_init)
+    self.key = proj(kernel_init=init)
+    self.value = proj(kernel_init=init)
+    self.out = Dense(features=(self.out_features,), kernel_axes=('joined_kv', 'embed'),
+                     contract_dims=2, dtype=self.dtype, kernel_init=init)
+    self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))
+
+  def project_kv(self, inputs_kv: Array) -> Tuple[Array, Array]:
+    """[batch, length, emb] -> keys, values [batch, length, heads, head_dim]."""
+    return self.key(inputs_kv), self.value(inputs_kv)
+
+  def __call__(self, inputs_q: Array, key: Array, value: Array, bias: Array,
+               deterministic: bool = True) -> Array:
+    """Attention of [batch, q, emb] queries over [batch, k, heads, head_dim] keys/values.
+
+    `bias` broadcasts to [batch, heads, q, k] and carries both the mask and position biases.
+    Returns [batch, q, emb].
+    """
+    query = self.query(inputs_q)
+    if self.float32_logits:
+      query, key = query.astype(jnp.float32), key.astype(jnp.float32)
+    logits = jnp.einsum('bqhd,bkhd->bhqk', query, key)
+    weights = jax.nn.softmax(logits + bias.astype(logits.dtype)).astype(self.dtype)
+    weights = self.dropout(weights, deterministic=deterministic)
+    out = jnp.einsum('bhqk,bkhd->bqhd', weights, value.astype(self.dtype))
+    return self.out(out)
+
+
+class MlpBlock(nn.Module):
+  """T5's feed-forward block; several activations are multiplied (gated GELU for T5 1.1)."""
+  intermediate_dim: int
+  activations: Tuple[str, ...]
+  dtype: DType = jnp.float32
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool = True) -> Array:
+    """[batch, length, emb] -> [batch, length, emb]."""
+    emb = x.shape[-1]
+    hidden = None
+    for i, act in enumerate(self.activations):
+      name = 'wi' if len(self.activations) == 1 else f'wi_{i}'
+      h = _ACTIVATIONS[act](Dense((self.intermediate_dim,), ('embed', 'mlp'), dtype=self.dtype,
+                                  name=name)(x))
+      hidden = h if hidden is None else hidden * h
+    hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic=deterministic)
+    return Dense((emb,), ('mlp', 'embed'), dtype=self.dtype, name='wo')(hidden)
+
+
+def _attention(config: T5Config) -> MultiHeadAttention:
+  return MultiHeadAttention(num_heads=config.num_heads, head_dim=config.head_dim,
+                            out_features=config.emb_dim, dtype=config.dtype,
+                            dropout_rate=config.dropout_rate,
+                            float32_logits=config.float32_attention_logits)
+
+
+class EncoderLayer(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    cfg = self.config
+    self.pre_attention_layer_norm = RMSNorm(cfg.dtype)
+    self.attention = _attention(cfg)
+    self.pre_mlp_layer_norm = RMSNorm(cfg.dtype)
+    self.mlp = MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.dropout_rate)
+    self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+
+  def __call__(self, x: Array, bias: Array, deterministic: bool = True) -> Array:
+    """[batch, length, emb] with bias [batch, heads, length, length] -> [batch, length, emb]."""
+    h = self.pre_attention_layer_norm(x)
+    h = self.attention(h, *self.attention.project_kv(h), bias, deterministic)
+    x = x + self.dropout(h, deterministic=deterministic)
+    h = self.mlp(self.pre_mlp_layer_norm(x), deterministic)
+    return x + self.dropout(h, deterministic=deterministic)
+
+
+class DecoderLayer(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    cfg = self.config
+    self.pre_self_attention_layer_norm = RMSNorm(cfg.dtype)
+    self.self_attention = _attention(cfg)
+    self.pre_cross_attention_layer_norm = RMSNorm(cfg.dtype)
+    self.encoder_decoder_attention = _attention(cfg)
+    self.pre_mlp_layer_norm = RMSNorm(cfg.dtype)
+    self.mlp = MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.dropout_rate)
+    self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+
+  def cross_kv(self, encoded: Array) -> Tuple[Array, Array]:
+    """Cross-attention keys/values [batch, encoder_length, heads, head_dim] of the encoder output."""
+    return self.encoder_decoder_attention.project_kv(encoded)
+
+  def __call__(self, x: Array, self_bias: Array, cross_kv: Tuple[Array, Array],
+               cross_bias: Array, self_cache: Optional[Tuple[Array, Array, Array]] = None,
+               deterministic: bool = True) -> Tuple[Array, Optional[Tuple[Array, Array]]]:
+    """One decoder layer over x [batch, q, emb].
+
+    Without `self_cache`, self-attention is over x itself (teacher forcing; `self_bias`
+    [batch, heads, q, q]). With `self_cache = (cached_key, cached_value, write_positions)`
+    (caches [batch, max_length, heads, head_dim], positions [batch, q]), this chunk's keys/values
+    are first written at `write_positions` (positions past max_length are dropped), then attended
+    over the whole cache (`self_bias` [batch, heads, q, max_length]). Returns the layer output and
+    the updated (cached_key, cached_value), or None without a cache.
+    """
+    h = self.pre_self_attention_layer_norm(x)
+    key, value = self.self_attention.project_kv(h)
+    new_cache = None
+    if self_cache is not None:
+      cached_key, cached_value, positions = self_cache
+      rows = jnp.arange(x.shape[0])[:, None]
+      key = cached_key.at[rows, positions].set(key.astype(cached_key.dtype), mode='drop')
+      value = cached_value.at[rows, positions].set(value.astype(cached_value.dtype), mode='drop')
+      new_cache = (key, value)
+    h = self.self_attention(h, key, value, self_bias, deterministic)
+    x = x + self.dropout(h, deterministic=deterministic)
+    h = self.encoder_decoder_attention(self.pre_cross_attention_layer_norm(x), *cross_kv,
+                                       cross_bias, deterministic)
+    x = x + self.dropout(h, deterministic=deterministic)
+    h = self.mlp(self.pre_mlp_layer_norm(x), deterministic)
+    return x + self.dropout(h, deterministic=deterministic), new_cache
+
+
+@flax.struct.dataclass
+class DecoderCache:
+  """Decoder state for incremental decoding; a pytree of fixed-shape arrays (jit/while_loop/shard).
+
+  index:        [batch] int32, tokens already written per row (= position of the next token).
+  self_key, self_value:   per decoder layer, [batch, max_length, heads, head_dim].
+  cross_key, cross_value: per decoder layer, [batch, encoder_length, heads, head_dim].
+  encoder_mask: [batch, encoder_length] bool, non-padding encoder positions.
+
+  Entries at positions >= index are never read, so `with_index` is a complete rollback.
+  Every leaf has the batch on axis 0 (beam search and num_decodes expand/gather all leaves alike).
+  """
+  index: Array
+  self_key: Tuple[Array, ...]
+  self_value: Tuple[Array, ...]
+  cross_key: Tuple[Array, ...]
+  cross_value: Tuple[Array, ...]
+  encoder_mask: Array
+
+  @property
+  def max_length(self) -> int:
+    return self.self_key[0].shape[1]
+
+  def with_index(self, index: Array) -> 'DecoderCache':
+    """Moves each row to `index` [batch]; moving back discards what was written from there on."""
+    return self.replace(index=jnp.asarray(index, jnp.int32))
+
+
+def _mask_bias(mask: Array) -> Array:
+  return jnp.where(mask, 0.0, MASK_BIAS).astype(jnp.float32)
+
+
+class Encoder(nn.Module):
+  config: T5Config
+  shared_embedding: nn.Module
+
+  def setup(self):
+    cfg = self.config
+    self.relpos_bias = RelativePositionBiases(cfg.num_heads, bidirectional=True, dtype=cfg.dtype)
+    self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
+    self.encoder_norm = RMSNorm(cfg.dtype)
+    self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+
+  def __call__(self, encoder_input_tokens: Array, encoder_segment_ids: Optional[Array] = None,
+               deterministic: bool = True) -> Array:
+    """[batch, length] tokens (0 = padding) -> [batch, length, emb]."""
+    length = encoder_input_tokens.shape[1]
+    valid = encoder_input_tokens > 0
+    mask = valid[:, None, :, None] & valid[:, None, None, :]
+    if encoder_segment_ids is not None:
+      mask &= (encoder_segment_ids[:, None, :, None] == encoder_segment_ids[:, None, None, :])
+    positions = jnp.arange(length)
+    bias = self.relpos_bias(positions[None], positions) + _mask_bias(mask)
+    x = self.dropout(self.shared_embedding(encoder_input_tokens), deterministic=deterministic)
+    for layer in self.layers:
+      x = layer(x, bias, deterministic)
+    return self.dropout(self.encoder_norm(x), deterministic=deterministic)
+
+
+class Decoder(nn.Module):
+  config: T5Config
+  shared_embedding: nn.Module
+
+  def setup(self):
+    cfg = self.config
+    self.relpos_bias = RelativePositionBiases(cfg.num_heads, bidirectional=False, dtype=cfg.dtype)
+    self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
+    self.decoder_norm = RMSNorm(cfg.dtype)
+    self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    if not cfg.logits_via_embedding:
+      self.logits_dense = Dense((cfg.vocab_size,), ('embed', 'vocab'), dtype=jnp.float32)
+
+  def _logits(self, y: Array, deterministic: bool) -> Array:
+    y = self.dropout(self.decoder_norm(y), deterministic=deterministic)
+    if self.config.logits_via_embedding:
+      return self.shared_embedding.attend(y) / jnp.sqrt(y.shape[-1]).astype(y.dtype)
+    return self.logits_dense(y)
+
+  def cross_kv(self, encoded: Array) -> Tuple[Tuple[Array, Array], ...]:
+    return tuple(layer.cross_kv(encoded) for layer in self.layers)
+
+  def __call__(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
+               decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
+               decoder_segment_ids: Optional[Array] = None,
+               deterministic: bool = True) -> Array:
+    """Teacher-forced decoder: [batch, length] inputs -> logits [batch, length, vocab] (float32).
+
+    As in T5X, positions where `decoder_target_tokens` is 0 are masked as padding.
+    """
+    length = decoder_input_tokens.shape[1]
+    valid = decoder_target_tokens > 0
+    positions = jnp.arange(length)
+    self_mask = (valid[:, None, :, None] & valid[:, None, None, :] &
+                 (positions[None, None, None, :] <= positions[None, None, :, None]))
+    cross_mask = valid[:, None, :, None] & (encoder_input_tokens > 0)[:, None, None, :]
+    if decoder_segment_ids is not None:
+      self_mask &= decoder_segment_ids[:, None, :, None] == decoder_segment_ids[:, None, None, :]
+      if encoder_segment_ids is not None:
+        cross_mask &= decoder_segment_ids[:, None, :, None] == encoder_segment_ids[:, None, None, :]
+    self_bias = self.relpos_bias(positions[None], positions) + _mask_bias(self_mask)
+    cross_bias = _mask_bias(cross_mask)
+    y = self.dropout(self.shared_embedding(decoder_input_tokens), deterministic=deterministic)
+    for layer in self.layers:
+      y, _ = layer(y, self_bias, layer.cross_kv(encoded), cross_bias, deterministic=deterministic)
+    return self._logits(y, deterministic)
+
+  def decode_step(self, tokens: Array, cache: DecoderCache,
+                  num_new: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
+    """Appends tokens [batch, k] at each row's own `cache.index`; returns logits [batch, k, vocab].
+
+    Token j of row b sits at position `cache.index[b] + j` and attends to every cached position
+    up to its own. The new index is `index + num_new` ([batch], default k): rows that fed padding
+    after their real tokens keep those entries beyond their index, where they are never read.
+    """
+    k = tokens.shape[1]
+    positions = cache.index[:, None] + jnp.arange(k)[None, :]  # [batch, k]
+    key_positions = jnp.arange(cache.max_length)
+    self_mask = key_positions[None, None, None, :] <= positions[:, None, :, None]
+    self_bias = self.relpos_bias(positions, key_positions) + _mask_bias(self_mask)
+    cross_bias = _mask_bias(cache.encoder_mask[:, None, None, :])
+    y = self.shared_embedding(tokens)
+    keys, values = [], []
+    for i, layer in enumerate(self.layers):
+      y, (key, value) = layer(y, self_bias, (cache.cross_key[i], cache.cross_value[i]), cross_bias,
+                              self_cache=(cache.self_key[i], cache.self_value[i], positions))
+      keys.append(key)
+      values.append(value)
+    advance = k if num_new is None else num_new
+    new_cache = cache.replace(index=cache.index + advance, self_key=tuple(keys),
+                              self_value=tuple(values))
+    return self._logits(y, deterministic=True), new_cache
+
+
+class Transformer(nn.Module):
+  """T5 encoder-decoder; module and method names as T5X's `network.Transformer`."""
+  config: T5Config
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, cfg.dtype)
+    self.encoder = Encoder(cfg, self.token_embedder)
+    self.decoder = Decoder(cfg, self.token_embedder)
+
+  def encode(self, encoder_input_tokens: Array, encoder_segment_ids: Optional[Array] = None,
+             enable_dropout: bool = False) -> Array:
+    """[batch, enc_length] -> [batch, enc_length, emb]."""
+    return self.encoder(encoder_input_tokens, encoder_segment_ids,
+                        deterministic=not enable_dropout)
+
+  def decode(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
+             decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
+             decoder_segment_ids: Optional[Array] = None, enable_dropout: bool = False) -> Array:
+    """Teacher-forced decoding -> logits [batch, dec_length, vocab]."""
+    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
+                        decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
+                        deterministic=not enable_dropout)
+
+  def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
+               decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
+               decoder_segment_ids: Optional[Array] = None, *,
+               enable_dropout: bool = False) -> Array:
+    """Full teacher-forced forward pass -> logits [batch, dec_length, vocab] (float32)."""
+    encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout)
+    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
+                       decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
+                       enable_dropout)
+
+  def init_cache(self, encoded: Array, encoder_input_tokens: Array,
+                 max_length: int) -> DecoderCache:
+    """An empty cache (every row at index 0) for `max_length` decoder positions.
+
+    encoded [batch, enc_length, emb], encoder_input_tokens [batch, enc_length] (0 = padding).
+    Cross-attention keys/values are computed here, once.
+    """
+    cfg = self.config
+    batch = encoded.shape[0]
+    cross = self.decoder.cross_kv(encoded)
+    empty = jnp.zeros((batch, max_length, cfg.num_heads, cfg.head_dim), cfg.dtype)
+    n = cfg.num_decoder_layers
+    return DecoderCache(index=jnp.zeros((batch,), jnp.int32), self_key=(empty,) * n,
+                        self_value=(empty,) * n, cross_key=tuple(k for k, _ in cross),
+                        cross_value=tuple(v for _, v in cross),
+                        encoder_mask=encoder_input_tokens > 0)
+
+  def decode_step(self, tokens: Array, cache: DecoderCache,
+                  num_new: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
+    """Cached decoding of a chunk tokens [batch, k] -> (logits [batch, k, vocab], cache)."""
+    return self.decoder.decode_step(tokens, cache, num_new)
+
+
+def init_params(config: T5Config, rng: Optional[jax.Array] = None, batch_size: int = 1,
+                encoder_length: int = 8, decoder_length: int = 8) -> Tuple[Any, Any]:
+  """Random parameters and their logical axes: (params, params_axes) as T5X's init gives them."""
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  enc = jnp.ones((batch_size, encoder_length), jnp.int32)
+  dec = jnp.ones((batch_size, decoder_length), jnp.int32)
+  variables = jax.jit(Transformer(config).init)(rng, enc, dec, dec)
+  return variables['params'], variables['params_axes']
