@@ -1,14 +1,54 @@
 """Decoding loops: T5X's temperature sampling, exact speculative sampling and the Big Little Decoder.
 
-(Work in progress: the loops land here.)
+All three are one loop, `_draft_verify_loop`, a `lax.while_loop` whose iteration is
+
+  1. draft:  the small model proposes up to `gamma` tokens per row, one call per token, stopping a
+             row early at its adaptive length, at EOS, or when its top probability is below a
+             confidence threshold (an inner `lax.while_loop`);
+  2. verify: the target scores the row's last token and all proposals in one call, at the row's
+             own cache position;
+  3. accept: a `VerifyRule` decides, left to right, which proposals stand; one more token is
+             drawn from the rule's correction distribution at the first rejection (or after the
+             last proposal: the bonus token);
+  4. commit: the accepted tokens and the extra one are written, EOS and length limits applied
+             per row, statistics counted.
+
+With `gamma = 0` there is no draft and step 3 draws from the target alone: T5X's temperature
+sampling. The speculative rule (Leviathan et al. 2023) accepts x with probability
+min(1, p(x)/q(x)) and corrects from norm(max(0, p - q)), which makes the output distribution the
+target's. The BiLD rule (Kim et al. 2023) accepts while the target's cross-entropy of the small
+model's token stays under a threshold and corrects from the target's own distribution.
+
+Rows never wait for each other: each has its own length, and every model call receives each row's
+position (`DecodingState.cur_index`). A row is rolled back simply by giving it an earlier position
+on the next call: the caches never read entries at or after a row's position, and overwrite them
+(see `network.DecoderCache`). Finished rows keep riding along in the fixed-shape batch but their
+state no longer changes.
+
+Greedy decoding (temperature <= MIN_TEMPERATURE) is the same code on one-hot distributions:
+p(x)/q(x) is 1 when the draft's argmax equals the target's and 0 otherwise, and the residual is the
+target's argmax, so greedy speculative output is the target's greedy output token for token.
+
+Sequence layout, as in T5X: `sequences[:, 0]` is the BOS slot (token 0) and `sequences[:, j]` is
+output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, a prompt.
 """
 
-from typing import Any, Callable, Mapping, Tuple, Union
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import flax
+import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
 
 Array = jnp.ndarray
+
+MIN_TEMPERATURE = 1e-4
+# Logit given to masked tokens (T5X's value): finite, so no inf - inf in the arithmetic.
+NEG_INF = -1e7
 
 
 @flax.struct.dataclass
@@ -27,6 +67,509 @@ class DecodingState:
 
 
 # tokens_to_logits(DecodingState) -> (logits [batch, k, vocab] (or [batch, vocab] when k == 1,
-# as T5X returns), new_cache). A callable over a `DecoderCache` writes at `cur_index`, so the loop
-# moves rows back by passing an earlier index.
+# as T5X returns), new_cache). A callable over a `DecoderCache` writes at `cur_index`, which is
+# how the loop moves rows back. T5X's own callables (cache index inside the cache) work with the
+# target-only loop, which feeds one token per row per call.
 TokensToLogits = Callable[[DecodingState], Tuple[Array, Any]]
+
+
+@flax.struct.dataclass
+class DecodeStats:
+  """Per-row counters of one decode (every field [batch], `accepted_at` [batch, max(gamma, 1)]).
+
+  target_calls: verify (or plain decode) calls of the target that advanced this row.
+  draft_calls:  draft model calls made while this row was drafting.
+  proposed / accepted: draft tokens proposed to / accepted by the target.
+  accepted_at:  how often draft position i was accepted.
+  emitted:      output tokens produced (prompt tokens included, after-EOS padding not).
+  fallbacks:    BiLD: drafting stopped because the small model was not confident.
+  rollbacks:    a proposal was rejected (BiLD's rollback, speculative's rejection).
+  """
+  target_calls: Array
+  draft_calls: Array
+  proposed: Array
+  accepted: Array
+  accepted_at: Array
+  emitted: Array
+  fallbacks: Array
+  rollbacks: Array
+
+  @classmethod
+  def zeros(cls, batch: int, gamma: int) -> 'DecodeStats':
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(z, z, z, z, jnp.zeros((batch, max(gamma, 1)), jnp.int32), z, z, z)
+
+  @property
+  def acceptance_rate(self) -> Array:
+    """alpha: accepted / proposed draft tokens, [batch]."""
+    return self.accepted / jnp.maximum(self.proposed, 1)
+
+  @property
+  def tokens_per_target_call(self) -> Array:
+    """Output tokens per target call, [batch] (1 for target-only decoding)."""
+    return self.emitted / jnp.maximum(self.target_calls, 1)
+
+  @property
+  def accepted_per_target_call(self) -> Array:
+    """Mean accepted draft tokens per target call, [batch]."""
+    return self.accepted / jnp.maximum(self.target_calls, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributions: the same processing for target and draft keeps speculative sampling exact.
+
+
+def sampling_log_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
+                       topp: float = 0.0) -> Array:
+  """Log-probabilities of the distribution a token is sampled from, [..., vocab] float32.
+
+  As T5X's temperature_sample: logits / temperature, then a top-k or top-p mask. At temperature
+  <= MIN_TEMPERATURE the distribution is the one-hot of the argmax (top-k/top-p ignored).
+  """
+  logits = logits.astype(jnp.float32)
+  if topk and topp:
+    raise ValueError(f'At most one of topk ({topk}) and topp ({topp}) may be non-zero.')
+  if temperature <= MIN_TEMPERATURE:
+    return _one_hot_log_probs(jnp.argmax(logits, axis=-1), logits.shape[-1])
+  scaled = logits / temperature
+  if topk:
+    kth = jax.lax.top_k(scaled, topk)[0][..., -1:]
+    scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+  if topp:
+    # Keep the most probable tokens until their mass reaches topp (the crossing token included).
+    desc = -jnp.sort(-scaled, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    num_kept = jnp.sum(mass_before < topp, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(desc, jnp.maximum(num_kept - 1, 0), axis=-1)
+    scaled = jnp.where(scaled < threshold, NEG_INF, scaled)
+  return jax.nn.log_softmax(scaled, axis=-1)
+
+
+def _one_hot_log_probs(tokens: Array, vocab_size: int) -> Array:
+  return jnp.where(jax.nn.one_hot(tokens, vocab_size, dtype=jnp.bool_), 0.0, NEG_INF)
+
+
+def _force(log_probs: Array, forced: Array) -> Array:
+  """Replaces distributions by the one-hot of the prompt token where `forced` [...] is non-zero."""
+  return jnp.where((forced > 0)[..., None], _one_hot_log_probs(forced, log_probs.shape[-1]),
+                   log_probs)
+
+
+def _sample(rng: Array, weights: Array) -> Array:
+  """Draws from unnormalised non-negative weights [..., vocab] -> [...] int32."""
+  return jax.random.categorical(rng, jnp.log(weights), axis=-1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification rules.
+
+
+class VerifyRule(NamedTuple):
+  """How the target judges draft tokens.
+
+  accept_prob(p, q, p_raw, x) -> [...] probability of accepting draft token x [...], given the
+    target's and the draft's sampling distributions p, q [..., vocab] at x's position and the
+    target's plain softmax p_raw (temperature 1, no masks).
+  correction(p, q) -> [..., vocab] unnormalised distribution of the token emitted at the first
+    rejection; after the last proposal (the bonus token) it is called with q = 0.
+  """
+  accept_prob: Callable[[Array, Array, Array, Array], Array]
+  correction: Callable[[Array, Array], Array]
+
+
+def _at(dist: Array, tokens: Array) -> Array:
+  return jnp.take_along_axis(dist, tokens[..., None], axis=-1)[..., 0]
+
+
+def speculative_rule(lenience: float = 1.0, greedy: bool = False) -> VerifyRule:
+  """Leviathan et al.'s rule: accept with min(1, p(x) / (l q(x))), correct from max(0, p - q).
+
+  l = 1 is exact. l < 1 (the paper's Appendix A.5) accepts more and changes the output
+  distribution: in sampling it accepts when l q(x) <= p(x); at temperature 0 it accepts x when
+  p(x) >= l max p (p the target's plain softmax).
+  """
+  if not 0.0 < lenience <= 1.0:
+    raise ValueError(f'lenience must be in (0, 1], got {lenience}.')
+
+  def accept_prob(p, q, p_raw, x):
+    if greedy and lenience < 1.0:
+      return (_at(p_raw, x) >= lenience * jnp.max(p_raw, axis=-1)).astype(jnp.float32)
+    q_x = _at(q, x)
+    return jnp.minimum(1.0, _at(p, x) / jnp.maximum(lenience * q_x, 1e-30))
+
+  return VerifyRule(accept_prob, lambda p, q: jnp.maximum(p - q, 0.0))
+
+
+def bild_rule(rollback_threshold: float = 5.0) -> VerifyRule:
+  """BiLD's rollback: keep the small model's token while -log p_large(x) <= threshold.
+
+  A token that is the large model's own argmax is always kept (BiLD skips such rollbacks). The
+  replacement comes from the large model's own distribution (its argmax when greedy).
+  """
+  min_prob = float(np.exp(-rollback_threshold))
+
+  def accept_prob(p, q, p_raw, x):
+    del p, q
+    agrees = x == jnp.argmax(p_raw, axis=-1)
+    return ((_at(p_raw, x) >= min_prob) | agrees).astype(jnp.float32)
+
+  return VerifyRule(accept_prob, lambda p, q: p)
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop.
+
+
+@flax.struct.dataclass
+class LoopState:
+  """State of `_draft_verify_loop`.
+
+  sequences: [batch, L + gamma + 2] int32, BOS slot then output tokens (room for one overshoot).
+  length:    [batch] int32, output tokens committed; `sequences[:, length]` is the next to feed.
+  ended:     [batch] bool.
+  gamma:     [batch] int32, each row's current draft length (adaptive).
+  log_prob:  [batch] float32, log-probability of the committed sampled tokens.
+  """
+  sequences: Array
+  length: Array
+  ended: Array
+  target_cache: Any
+  draft_cache: Any
+  gamma: Array
+  log_prob: Array
+  rng: Array
+  stats: DecodeStats
+
+
+class _Draft(NamedTuple):
+  tokens: Array         # [batch, gamma]
+  probs: Array          # [batch, gamma, vocab], zero beyond num_proposed
+  num_proposed: Array   # [batch]
+  steps: Array          # [batch] draft calls made while the row was drafting
+  unconfident: Array    # [batch] drafting stopped below the confidence threshold
+  cache: Any
+
+
+def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any,
+          sequences: Array) -> Tuple[Array, Any]:
+  frozen = isinstance(cache, flax.core.FrozenDict)
+  logits, cache = fn(DecodingState(cur_index=index, sequences=sequences, cur_token=tokens,
+                                   cache=cache))
+  if frozen:
+    cache = flax.core.freeze(cache)
+  if logits.ndim == 2:
+    logits = logits[:, None, :]
+  return logits.astype(jnp.float32), cache
+
+
+class _LoopConfig(NamedTuple):
+  gamma: int
+  rule: VerifyRule
+  temperature: float
+  topk: int
+  topp: float
+  rescale_log_probs: bool
+  confidence_threshold: float
+  adaptive_gamma: bool
+  eos_id: int
+
+
+def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, forced: Array,
+                 limit: Array, rng: Array) -> _Draft:
+  """Up to cfg.gamma autoregressive draft calls; rows stop individually, the loop when all have."""
+  batch = state.length.shape[0]
+  rows = jnp.arange(batch)
+  gamma = cfg.gamma
+
+  def propose(i, logits, carry):
+    """Samples draft token i of every row from logits [batch, vocab]; updates the carry."""
+    tokens, probs, num_proposed, drafting, steps, unconfident, rng = carry
+    rng, sample_rng = jax.random.split(rng)
+    forced_i = forced[rows, state.length + 1 + i]
+    log_q = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_i)
+    token = jax.random.categorical(sample_rng, log_q).astype(jnp.int32)
+    confidence = jnp.where(forced_i > 0, 1.0, jnp.max(jax.nn.softmax(logits), axis=-1))
+    keep = drafting & (confidence >= cfg.confidence_threshold)
+    tokens = tokens.at[:, i].set(token)
+    probs = probs.at[:, i].set(jnp.where(keep[:, None], jnp.exp(log_q), 0.0))
+    steps = steps + drafting
+    unconfident = unconfident | (drafting & ~keep)
+    num_proposed = num_proposed + keep
+    drafting = (keep & (i + 1 < state.gamma) & (state.length + i + 2 <= limit) &
+                ((token != cfg.eos_id) | (forced_i > 0)))
+    return tokens, probs, num_proposed, drafting, steps, unconfident, rng
+
+  # The draft cache may lack the previous iteration's last accepted proposal (when all were
+  # accepted), so the first call re-feeds the previous token as well: rewriting an existing
+  # entry with the same token is a no-op.
+  start = jnp.maximum(state.length - 1, 0)
+  first_tokens = jnp.take_along_axis(state.sequences, start[:, None] + jnp.arange(2)[None], axis=1)
+  logits, cache = _call(draft_fn, first_tokens, start, state.draft_cache, state.sequences)
+  vocab = logits.shape[-1]
+  zeros = jnp.zeros((batch,), jnp.int32)
+  carry = (jnp.zeros((batch, gamma), jnp.int32), jnp.zeros((batch, gamma, vocab), jnp.float32),
+           zeros, ~state.ended & (state.gamma > 0) & (state.length < limit), zeros,
+           jnp.zeros((batch,), jnp.bool_), rng)
+  carry = propose(0, logits[rows, state.length - start], carry)
+
+  def cond(loop):
+    i, _, carry = loop
+    return (i < gamma) & jnp.any(carry[3])
+
+  def body(loop):
+    i, cache, carry = loop
+    previous = jax.lax.dynamic_slice_in_dim(carry[0], i - 1, 1, axis=1)
+    logits, cache = _call(draft_fn, previous, state.length + i, cache,
+                          state.sequences)
+    return i + 1, cache, propose(i, logits[:, 0], carry)
+
+  _, cache, carry = jax.lax.while_loop(cond, body, (jnp.array(1), cache, carry))
+  tokens, probs, num_proposed, _, steps, unconfident, _ = carry
+  return _Draft(tokens, probs, num_proposed, steps, unconfident, cache)
+
+
+def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
+                       target_fn: TokensToLogits, draft_cache: Any,
+                       draft_fn: Optional[TokensToLogits], rng: Array,
+                       max_decode_steps: Optional[int]) -> Tuple[Array, Array, DecodeStats]:
+  """Runs the decode; returns (decodes [batch, L], log_prob [batch], stats). See module doc."""
+  batch, max_len = inputs.shape
+  gamma = cfg.gamma
+  rows = jnp.arange(batch)
+  offsets = jnp.arange(gamma + 1)
+  seq_len = max_len + gamma + 2
+  forced = jnp.zeros((batch, seq_len), jnp.int32).at[:, 1:max_len].set(inputs[:, 1:])
+  limit = jnp.full((batch,), max_len, jnp.int32)
+  if max_decode_steps is not None:
+    limit = jnp.minimum(limit, jnp.sum(inputs != 0, axis=1) + max_decode_steps)
+
+  def body(state: LoopState) -> LoopState:
+    rng, draft_rng, accept_rng, extra_rng = jax.random.split(state.rng, 4)
+    active = ~state.ended
+    length = state.length
+
+    if gamma:
+      draft = _draft_phase(cfg, state, draft_fn, forced, limit, draft_rng)
+      proposals, num_proposed = draft.tokens, draft.num_proposed
+    else:
+      proposals = jnp.zeros((batch, 0), jnp.int32)
+      num_proposed = jnp.zeros((batch,), jnp.int32)
+
+    # Verify: the row's last token and its proposals, in one call at the row's position.
+    chunk = jnp.concatenate([state.sequences[rows, length][:, None], proposals], axis=1)
+    logits, target_cache = _call(target_fn, chunk, length, state.target_cache, state.sequences)
+    forced_chunk = forced[rows[:, None], length[:, None] + 1 + offsets]  # [batch, gamma + 1]
+    log_p = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_chunk)
+    p = jnp.exp(log_p)
+
+    if gamma:
+      p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
+      in_proposal = offsets[None, :gamma] < num_proposed[:, None]
+      accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], proposals)
+      uniform = jax.random.uniform(accept_rng, (batch, gamma))
+      accepted_at = jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1)
+      num_accepted = jnp.sum(accepted_at, axis=1)
+      q_next = jnp.where((num_accepted < num_proposed)[:, None],
+                         draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
+    else:
+      accepted_at = jnp.zeros((batch, 1), jnp.int32)
+      num_accepted = jnp.zeros((batch,), jnp.int32)
+      q_next = jnp.zeros_like(p[:, 0])
+
+    p_next = p[rows, num_accepted]
+    weights = cfg.rule.correction(p_next, q_next)
+    # p == q exactly leaves no residual but then nothing can be rejected; guard the 0/0 anyway.
+    weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_next)
+    extra = _sample(extra_rng, weights)
+
+    # Commit: accepted proposals, then the extra token; cut at a sampled EOS and the row limit.
+    padded = jnp.concatenate([proposals, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(offsets < num_accepted[:, None], padded,
+                        jnp.where(offsets == num_accepted[:, None], extra[:, None], 0))
+    count = num_accepted + 1
+    is_eos = ((emitted == cfg.eos_id) & (forced_chunk == 0) & (offsets < count[:, None]))
+    hit_eos = jnp.any(is_eos, axis=1)
+    count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)
+    count = jnp.where(active, jnp.minimum(count, limit - length), 0)
+    valid = offsets < count[:, None]
+    sequences = state.sequences.at[rows[:, None], length[:, None] + 1 + offsets].set(
+        jnp.where(valid, emitted, 0), mode='drop')
+    log_probs = log_p if cfg.rescale_log_probs else jax.nn.log_softmax(logits)
+    token_log_probs = jnp.where(valid & (forced_chunk == 0), _at(log_probs, emitted), 0.0)
+    new_length = length + count
+    ended = state.ended | (active & hit_eos) | (new_length >= limit)
+
+    rejected = num_accepted < num_proposed
+    new_gamma = state.gamma
+    if cfg.adaptive_gamma:
+      # HF's heuristic: lengthen after a fully accepted draft, shorten after a rejection.
+      new_gamma = jnp.where(rejected, jnp.maximum(state.gamma - 1, 1),
+                            jnp.minimum(state.gamma + 2, gamma))
+      new_gamma = jnp.where(active, new_gamma, state.gamma)
+
+    on = active.astype(jnp.int32)
+    s = state.stats
+    stats = DecodeStats(
+        target_calls=s.target_calls + on,
+        draft_calls=s.draft_calls + (draft.steps * on if gamma else 0),
+        proposed=s.proposed + num_proposed * on,
+        accepted=s.accepted + num_accepted * on,
+        accepted_at=s.accepted_at + accepted_at * on[:, None],
+        emitted=s.emitted + count,
+        fallbacks=s.fallbacks + ((draft.unconfident & active) if gamma else 0),
+        rollbacks=s.rollbacks + (rejected & active))
+    return LoopState(sequences=sequences, length=new_length, ended=ended,
+                     target_cache=target_cache,
+                     draft_cache=draft.cache if gamma else state.draft_cache,
+                     gamma=new_gamma, log_prob=state.log_prob + jnp.sum(token_log_probs, axis=1),
+                     rng=rng, stats=stats)
+
+  init = LoopState(
+      sequences=jnp.zeros((batch, seq_len), jnp.int32), length=jnp.zeros((batch,), jnp.int32),
+      ended=limit <= 0, target_cache=target_cache, draft_cache=draft_cache,
+      gamma=jnp.full((batch,), gamma, jnp.int32), log_prob=jnp.zeros((batch,), jnp.float32),
+      rng=rng, stats=DecodeStats.zeros(batch, gamma))
+  final = jax.lax.while_loop(lambda s: ~jnp.all(s.ended), body, init)
+  return final.sequences[:, 1:max_len + 1], final.log_prob, final.stats
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch expansion for num_decodes, and the public decoders.
+
+# Cache leaves that carry no batch axis in T5X's flax caches.
+_UNBATCHED_CACHE_LEAVES = ('cache_index', 'cached_bias', 'position_embedder_index')
+
+
+def flat_batch_beam_expand(x: Array, beam_size: int, offset: int = 0) -> Array:
+  """[..., batch, ...] -> [..., batch * beam_size, ...], each row repeated in place (T5X's)."""
+  return jnp.repeat(x, beam_size, axis=offset)
+
+
+def expand_cache(cache: Any, beam_size: int, offset: int = 0) -> Any:
+  """Repeats every batch row of a cache `beam_size` times (DecoderCache or T5X flax cache)."""
+  if beam_size == 1 or cache is None:
+    return cache
+  if isinstance(cache, (dict, flax.core.FrozenDict)):
+    frozen = isinstance(cache, flax.core.FrozenDict)
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(cache))
+    flat = {k: v if k[-1] in _UNBATCHED_CACHE_LEAVES else flat_batch_beam_expand(v, beam_size,
+                                                                                 offset)
+            for k, v in flat.items()}
+    cache = traverse_util.unflatten_dict(flat)
+    return flax.core.freeze(cache) if frozen else cache
+  return jax.tree_util.tree_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache)
+
+
+def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,
+            draft_cache: Any, draft_tokens_to_logits: Optional[TokensToLogits],
+            decode_rng: Optional[Array], num_decodes: int, cache_offset: int,
+            max_decode_steps: Optional[int], return_stats: bool):
+  """Expands for num_decodes, runs the loop, sorts by log-prob ascending (best last)."""
+  if max_decode_steps is not None and max_decode_steps > inputs.shape[1]:
+    raise ValueError(f'max_decode_steps ({max_decode_steps}) exceeds the sequence length '
+                     f'({inputs.shape[1]}).')
+  batch = inputs.shape[0]
+  rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
+  decodes, log_prob, stats = _draft_verify_loop(
+      cfg, flat_batch_beam_expand(inputs, num_decodes),
+      expand_cache(cache, num_decodes, cache_offset), tokens_to_logits,
+      expand_cache(draft_cache, num_decodes), draft_tokens_to_logits, rng, max_decode_steps)
+  unflatten = lambda x: x.reshape((batch, num_decodes) + x.shape[1:])
+  order = jnp.argsort(unflatten(log_prob), axis=1)
+
+  def sort(x):
+    x = unflatten(x)
+    return jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+
+  decodes, log_prob = sort(decodes), sort(log_prob)
+  if return_stats:
+    return decodes, log_prob, jax.tree_util.tree_map(sort, stats)
+  return decodes, log_prob
+
+
+def temperature_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, eos_id: int,
+                       decode_rng: Optional[Array] = None, num_decodes: int = 1,
+                       temperature: float = 1.0, topk: int = 1, topp: float = 0.0,
+                       cache_offset: int = 0, initial_index: Optional[Array] = None,
+                       max_decode_steps: Optional[int] = None,
+                       max_decode_steps_hard_limit: Optional[int] = None,
+                       rescale_log_probs: bool = True, return_stats: bool = False):
+  """Target-only sampling, keyword-compatible with T5X's `decoding.temperature_sample`.
+
+  inputs: [batch, L] int32; non-zero entries after position 0 force those output tokens.
+  Returns (decodes [batch, num_decodes, L], log_probs [batch, num_decodes]) sorted ascending by
+  log-probability (best last); with return_stats also the `DecodeStats` ([batch, num_decodes]).
+  Defaults are T5X's, including topk=1 (greedy unless topk is set to 0 or topp is used).
+  `temperature` must be a Python float here (T5X also accepts a per-row array).
+  """
+  if initial_index is not None:
+    raise NotImplementedError('initial_index (prefilled caches) is not supported; pass the '
+                              'prompt through `inputs` instead.')
+  if max_decode_steps is not None and max_decode_steps_hard_limit:
+    max_decode_steps = min(max_decode_steps, max_decode_steps_hard_limit)
+  cfg = _LoopConfig(gamma=0, rule=speculative_rule(), temperature=float(temperature),
+                    topk=topk, topp=topp, rescale_log_probs=rescale_log_probs,
+                    confidence_threshold=0.0, adaptive_gamma=False, eos_id=eos_id)
+  return _decode(cfg, inputs, cache, tokens_to_logits, None, None, decode_rng, num_decodes,
+                 cache_offset, max_decode_steps, return_stats)
+
+
+def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,
+                       draft_cache: Any, draft_tokens_to_logits: TokensToLogits, eos_id: int,
+                       decode_rng: Optional[Array] = None, num_decodes: int = 1, gamma: int = 4,
+                       temperature: float = 1.0, topk: int = 0, topp: float = 0.0,
+                       lenience: float = 1.0, adaptive_gamma: bool = False,
+                       draft_confidence_threshold: float = 0.0, cache_offset: int = 0,
+                       max_decode_steps: Optional[int] = None, rescale_log_probs: bool = True,
+                       return_stats: bool = False, rule: Optional[VerifyRule] = None):
+  """Speculative sampling (Leviathan, Kalman, Matias 2023): the target's distribution, faster.
+
+  `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
+  draft's; both callables must write at `DecodingState.cur_index` (the project's DecoderCache).
+  gamma: the (static) maximum number of draft tokens per target call.
+  adaptive_gamma: per row, gamma grows by 2 after a fully accepted draft and shrinks by 1 after a
+    rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
+    draft's top probability falls below it (the unconfident token is not proposed). Both only
+    change how many tokens are proposed, so the output distribution is unchanged.
+  lenience: 1 is exact; below 1 accepts more and is lossy (see `speculative_rule`).
+  temperature/topk/topp are applied identically to target and draft (T5X's semantics; note the
+  default topk=0 here, full sampling, where T5X's temperature_sample defaults to topk=1).
+  Returns as `temperature_sample`.
+  """
+  if gamma < 1:
+    raise ValueError(f'gamma must be >= 1, got {gamma}.')
+  greedy = temperature <= MIN_TEMPERATURE
+  cfg = _LoopConfig(gamma=gamma, rule=rule or speculative_rule(lenience, greedy),
+                    temperature=float(temperature), topk=topk, topp=topp,
+                    rescale_log_probs=rescale_log_probs,
+                    confidence_threshold=draft_confidence_threshold,
+                    adaptive_gamma=adaptive_gamma, eos_id=eos_id)
+  return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
+                 decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats)
+
+
+def bild_decode(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, draft_cache: Any,
+                draft_tokens_to_logits: TokensToLogits, eos_id: int,
+                decode_rng: Optional[Array] = None, num_decodes: int = 1,
+                fallback_threshold: float = 0.6, rollback_threshold: float = 5.0,
+                max_small_steps: int = 10, temperature: float = 0.0, topk: int = 0,
+                topp: float = 0.0, cache_offset: int = 0, max_decode_steps: Optional[int] = None,
+                rescale_log_probs: bool = True, return_stats: bool = False):
+  """Big Little Decoder (Kim et al. 2023): lossy, the small model leads while confident.
+
+  The small (draft) model decodes alone until its top probability is below `fallback_threshold`
+  (that token is dropped) or it has made `max_small_steps` tokens; then the large model scores
+  them all in one call and keeps them up to the first whose -log p_large exceeds
+  `rollback_threshold`, where it substitutes its own prediction (otherwise it appends its own
+  next token). Greedy by default (the paper's setting); temperature > 0 samples both models.
+  Returns as `temperature_sample`; `DecodeStats.fallbacks`/`rollbacks` count the two events.
+  """
+  if max_small_steps < 1:
+    raise ValueError(f'max_small_steps must be >= 1, got {max_small_steps}.')
+  cfg = _LoopConfig(gamma=max_small_steps, rule=bild_rule(rollback_threshold),
+                    temperature=float(temperature), topk=topk, topp=topp,
+                    rescale_log_probs=rescale_log_probs, confidence_threshold=fallback_threshold,
+                    adaptive_gamma=False, eos_id=eos_id)
+  return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
+                 decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats)

@@ -1,0 +1,360 @@
+"""Reading T5X checkpoints into the network's parameter tree, and the project's own checkpoints.
+
+Formats read by `load_t5x_checkpoint` (detected from what is on disk, not from names given):
+
+  * T5X legacy: a msgpack file (`checkpoint_<step>/checkpoint`, or any single file such as T5X's
+    `test_t5_tiny.checkpoint_0`) holding `{'version': 3, 'optimizer': {'target': params,
+    'state': ...}}`. Each leaf is either an inline array or a tensorstore spec dict naming a zarr
+    array by a path relative to the checkpoint directory (one directory per array, named
+    `target.<dotted param path>`).
+  * T5X Orbax: `checkpoint_<step>/state/`, an Orbax PyTree checkpoint (OCDBT) whose tree is
+    `{'target': params, 'state': {'step': ..., 'param_states': ...}}`. Only `target` is read.
+  * The project's own format (`save_params`): that same Orbax tree written to one directory,
+    `{'target': params, 'state': {'step': step}}`, so T5X-side tooling and this loader share one
+    reader.
+
+A path may name the checkpoint file, a `checkpoint_<step>` directory, an Orbax tree directory, or
+a model directory holding `checkpoint_<step>` directories (the highest step is taken). Only local
+filesystem paths are supported. Parameters come back as a nested dict of numpy arrays in the
+tree of `network.init_params`, e.g. `params['encoder']['layers_0']['attention']['query']['kernel']`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from flax import traverse_util
+
+from speculative_t5x import network
+
+Params = Dict[str, Any]
+PathLike = Union[str, os.PathLike]
+DTypeLike = Any
+
+# T5X's `get_checkpoint_prefix()` default; temporary directories carry a suffix and never match.
+_STEP_DIR = re.compile(r'^checkpoint_(\d+)$')
+_MSGPACK_FILE = 'checkpoint'
+_ORBAX_ITEM = 'state'
+# Files only an Orbax PyTree checkpoint directory has (the second for OCDBT without metadata).
+_ORBAX_MARKERS = ('_METADATA', 'manifest.ocdbt')
+# T5X's `_DESIRED_CHUNK_SIZE_BYTES`: zarr chunks are kept under this size.
+_CHUNK_BYTES = 64 * 1024 * 1024
+# A T5X msgpack file starts with a map header (fixmap, map16 or map32); checking this first
+# rejects other files without reading them whole.
+_MSGPACK_MAP_PREFIXES = set(range(0x80, 0x90)) | {0xde, 0xdf}
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API.
+
+
+def load_t5x_checkpoint(path: PathLike, config: Optional[network.T5Config] = None,
+                        dtype: Optional[DTypeLike] = None) -> Params:
+  """Reads the model parameters (`target`) of a T5X checkpoint, legacy or Orbax.
+
+  Args:
+    path: the msgpack checkpoint file, a `checkpoint_<step>` directory, an Orbax tree directory
+      (`checkpoint_<step>/state` or a `save_params` directory), or a model directory with
+      `checkpoint_<step>` directories (the highest step is read).
+    config: when given, the tree must have exactly the parameter names and shapes that
+      `network.init_params(config)` creates.
+    dtype: when given (e.g. 'bfloat16', jnp.float32), floating leaves are cast to it.
+
+  Returns:
+    Nested dict of numpy arrays, the `params` collection of `network.Transformer`.
+
+  Raises:
+    FileNotFoundError: `path` does not exist.
+    ValueError: `path` holds no T5X checkpoint, an array it names cannot be read, or the tree
+      does not match `config` (one line naming the first differing parameter).
+  """
+  source = _find_checkpoint(Path(path))
+  if _is_orbax_tree(source):
+    params = _read_orbax_target(source)
+  else:
+    params = _read_legacy_target(source)
+  return _finish(params, source, config, dtype)
+
+
+def save_params(path: PathLike, params: Params, step: int = 0, overwrite: bool = False) -> Path:
+  """Writes `params` to the directory `path` in the project's format; returns `path`.
+
+  The format is T5X's Orbax `state` item without optimizer slots: an Orbax PyTree checkpoint
+  (OCDBT) of `{'target': params, 'state': {'step': int32}}`. Leaves may be numpy or (sharded)
+  jax arrays. `path` must not exist unless `overwrite` is set.
+  """
+  path = Path(path).absolute()
+  if path.exists() and not overwrite:
+    raise FileExistsError(f'Refusing to overwrite existing checkpoint directory {path}')
+  tree = {'target': params, 'state': {'step': np.asarray(step, np.int32)}}
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True))
+  checkpointer.save(path, args=ocp.args.PyTreeSave(tree), force=overwrite)
+  return path
+
+
+def load_params(path: PathLike, config: Optional[network.T5Config] = None,
+                dtype: Optional[DTypeLike] = None) -> Params:
+  """Reads parameters written by `save_params` (exactly that directory; no step search).
+
+  `config` and `dtype` act as in `load_t5x_checkpoint`. Raises FileNotFoundError for a missing
+  path and ValueError for a directory that is not such a checkpoint.
+  """
+  path = Path(path).absolute()
+  if not path.exists():
+    raise FileNotFoundError(f'No such checkpoint: {path}')
+  if not _is_orbax_tree(path):
+    raise ValueError(f'{path} is not a speculative_t5x params checkpoint (no Orbax tree there)')
+  return _finish(_read_orbax_target(path), path, config, dtype)
+
+
+def validate_params(params: Params, config: network.T5Config, source: str = '') -> None:
+  """Checks that `params` has exactly the names and shapes `network.init_params(config)` makes.
+
+  Raises a one-line ValueError naming the first missing parameter, else the first unexpected
+  one, else the first mis-shaped one with both shapes ('first' in sorted path order), followed
+  by the counts of each kind of difference. `source` (a path) is appended when given.
+  """
+  expected = _expected_shapes(config)
+  actual = {'/'.join(k): tuple(np.shape(v)) for k, v in traverse_util.flatten_dict(params).items()}
+  missing = sorted(set(expected) - set(actual))
+  unexpected = sorted(set(actual) - set(expected))
+  misshaped = sorted(k for k in set(expected) & set(actual) if expected[k] != actual[k])
+  if missing:
+    problem = f"parameter '{missing[0]}' is missing from the checkpoint"
+  elif unexpected:
+    problem = f"parameter '{unexpected[0]}' is in the checkpoint but not in the config"
+  elif misshaped:
+    name = misshaped[0]
+    problem = (f"parameter '{name}' has shape {actual[name]} in the checkpoint but "
+               f'{expected[name]} in the config')
+  else:
+    return
+  counts = (f'{len(missing)} missing, {len(unexpected)} unexpected, '
+            f'{len(misshaped)} mis-shaped in all')
+  where = f' [{source}]' if source else ''
+  raise ValueError(f'checkpoint does not match T5Config: {problem} ({counts}){where}')
+
+
+def save_t5x_legacy_checkpoint(directory: PathLike, params: Params, step: int = 0,
+                               use_zarr: bool = True) -> Path:
+  """Writes `params` as T5X's legacy checkpoint `<directory>/checkpoint_<step>/`; returns that.
+
+  Layout as T5X's `Checkpointer.save`: a msgpack `checkpoint` file with
+  `{'version': 3, 'optimizer': {'target': ..., 'state': {'step': int32, 'param_states': {}}}}`
+  whose target leaves are tensorstore specs (relative paths) of zarr v2 arrays
+  `target.<dotted path>/` (gzip level 1, '.' chunk keys), or inline arrays if `use_zarr` is
+  False. Written to a temporary directory and renamed, as T5X does, so a half-written
+  checkpoint is never found. Exists to test the reader; no optimizer slots are written.
+  """
+  final = Path(directory).absolute() / f'checkpoint_{step}'
+  if final.exists():
+    raise FileExistsError(f'Refusing to overwrite existing checkpoint directory {final}')
+  tmp = final.with_name(f'{final.name}.tmp-{time.time_ns()}')
+  tmp.mkdir(parents=True)
+  flat = traverse_util.flatten_dict(params)
+  target, writes = {}, []
+  for key, value in flat.items():
+    value = np.asarray(value)
+    if not use_zarr or value.ndim == 0:
+      target[key] = value
+      continue
+    spec = _zarr_spec(f"target.{'.'.join(key)}/", value)
+    target[key] = spec
+    absolute = dict(spec, kvstore=dict(spec['kvstore'], path=str(tmp / spec['kvstore']['path'])))
+    store = ts.open(absolute, create=True).result()
+    writes.append(store.write(value))
+  for write in writes:
+    write.result()
+  contents = {
+      'version': 3,
+      'optimizer': {
+          'target': traverse_util.unflatten_dict(target),
+          'state': {'step': np.asarray(step, np.int32), 'param_states': {}},
+      },
+  }
+  (tmp / _MSGPACK_FILE).write_bytes(flax.serialization.msgpack_serialize(contents))
+  tmp.rename(final)
+  return final
+
+
+def save_t5x_orbax_checkpoint(directory: PathLike, params: Params, step: int = 0) -> Path:
+  """Writes `params` as T5X's Orbax checkpoint `<directory>/checkpoint_<step>/state`.
+
+  The tree is `{'target': params, 'state': {'step': step}}` (PyTreeCheckpointHandler,
+  use_ocdbt=True), which is also the project's format. Returns the `checkpoint_<step>` directory.
+  Exists to test the reader; no optimizer slots or dataset item are written.
+  """
+  step_dir = Path(directory).absolute() / f'checkpoint_{step}'
+  save_params(step_dir / _ORBAX_ITEM, params, step=step)
+  return step_dir
+
+
+# ------------------------------------------------------------------------------------------------
+# Locating a checkpoint.
+
+
+def _is_orbax_tree(path: Path) -> bool:
+  return path.is_dir() and any((path / marker).is_file() for marker in _ORBAX_MARKERS)
+
+
+def _step_dirs(path: Path) -> Iterator[Tuple[int, Path]]:
+  for child in path.iterdir():
+    match = _STEP_DIR.match(child.name)
+    if match and child.is_dir():
+      yield int(match.group(1)), child
+
+
+def _find_checkpoint(path: Path) -> Path:
+  """Resolves `path` to a legacy msgpack file or an Orbax tree directory."""
+  path = path.absolute()
+  if not path.exists():
+    raise FileNotFoundError(f'No such checkpoint: {path}')
+  if path.is_file() or _is_orbax_tree(path):
+    return path
+  if _is_orbax_tree(path / _ORBAX_ITEM):
+    return path / _ORBAX_ITEM
+  if (path / _MSGPACK_FILE).is_file():
+    return path / _MSGPACK_FILE
+  steps = sorted(_step_dirs(path))
+  if steps:
+    return _find_checkpoint(steps[-1][1])
+  raise ValueError(f'{path} is not a T5X checkpoint: no msgpack `checkpoint` file, Orbax '
+                   '`state` tree or `checkpoint_<step>` directory in it')
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading.
+
+
+def _read_legacy_target(path: Path) -> Params:
+  """Reads `optimizer/target` from a legacy msgpack file, resolving tensorstore specs."""
+  not_t5x = f'{path} is not a T5X checkpoint'
+  with open(path, 'rb') as f:
+    head = f.read(1)
+    if not head or head[0] not in _MSGPACK_MAP_PREFIXES:
+      raise ValueError(f'{not_t5x} (not a msgpack map)')
+    data = head + f.read()
+  try:
+    contents = flax.serialization.msgpack_restore(data)
+  except Exception as e:  # msgpack signals corrupt input with many unrelated exception types.
+    raise ValueError(f'{not_t5x} (msgpack decoding failed: {type(e).__name__})') from e
+  optimizer = contents.get('optimizer') if isinstance(contents, dict) else None
+  if not isinstance(optimizer, dict) or not isinstance(optimizer.get('target'), dict):
+    raise ValueError(f"{not_t5x} (no 'optimizer'/'target' in the msgpack)")
+
+  flat = traverse_util.flatten_dict(optimizer['target'], is_leaf=lambda _, v: _is_ts_spec(v))
+  # Start every tensorstore read before waiting on any, so arrays load concurrently.
+  pending = {k: _open_spec(v, path.parent, k) for k, v in flat.items() if _is_ts_spec(v)}
+  arrays = {}
+  for key, value in flat.items():
+    if key in pending:
+      try:
+        value = pending[key].result().read().result()
+      except Exception as e:  # tensorstore reports I/O and format errors as ValueError/OSError.
+        raise ValueError(f"{path}: cannot read parameter '{'/'.join(key)}' from "
+                         f"{_spec_location(flat[key], path.parent)}: {e}") from e
+    arrays[key] = np.asarray(value)
+  return traverse_util.unflatten_dict(arrays)
+
+
+def _is_ts_spec(value: Any) -> bool:
+  # T5X's own test for a spec leaf (`_is_leaf` in t5x/checkpoints.py).
+  return isinstance(value, dict) and {'driver', 'kvstore', 'metadata'} <= set(value)
+
+
+def _spec_location(spec: Dict[str, Any], checkpoint_dir: Path) -> str:
+  return os.path.join(checkpoint_dir, spec['kvstore']['path'])
+
+
+def _open_spec(spec: Dict[str, Any], checkpoint_dir: Path, key: Tuple[str, ...]) -> ts.Future:
+  """Opens a T5X spec leaf from the local checkpoint directory."""
+  driver = spec['kvstore'].get('driver')
+  # Specs name 'gcs' (dummy bucket) or 'gfile' when written on GCS or by older T5X; the path is
+  # relative to the checkpoint directory either way.
+  if driver not in ('file', 'gfile', 'gcs'):
+    raise ValueError(f"{checkpoint_dir}: parameter '{'/'.join(key)}' uses unsupported "
+                     f'tensorstore kvstore driver {driver!r}')
+  # Chunking and compression are whatever was written; dropping them lets the stored
+  # .zarray decide, as T5X's reader does.
+  metadata = {k: v for k, v in spec['metadata'].items() if k not in ('chunks', 'compressor')}
+  local = dict(spec, metadata=metadata,
+               kvstore={'driver': 'file', 'path': _spec_location(spec, checkpoint_dir)})
+  return ts.open(local, open=True)
+
+
+def _read_orbax_target(path: Path) -> Params:
+  """Restores only the `target` subtree of an Orbax PyTree checkpoint, as numpy arrays."""
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  try:
+    metadata = checkpointer.metadata(path)
+  except Exception as e:  # Orbax raises assorted errors for unreadable metadata.
+    raise ValueError(f'{path} is not a T5X checkpoint (unreadable Orbax metadata: {e})') from e
+  # Orbax versions differ in how much wrapping the metadata tree has.
+  tree = getattr(metadata, 'item_metadata', metadata)
+  tree = getattr(tree, 'tree', tree)
+  if not isinstance(tree, dict) or not isinstance(tree.get('target'), dict):
+    raise ValueError(f"{path} is not a T5X checkpoint (Orbax tree has no 'target')")
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  if 'partial_restore' in getattr(ocp.args.PyTreeRestore, '__dataclass_fields__', {}):
+    # Partial restore skips optimizer slots, which are as large as the model or larger.
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item={'target': tree['target']}, restore_args={'target': as_numpy['target']},
+        partial_restore=True))
+  else:  # Orbax before partial_restore: read everything, keep the target.
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+  return jax.tree.map(np.asarray, restored['target'])
+
+
+# ------------------------------------------------------------------------------------------------
+# Post-processing and writing helpers.
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_shapes(config: network.T5Config) -> Dict[str, Tuple[int, ...]]:
+  params, _ = jax.eval_shape(functools.partial(network.init_params, config))
+  return {'/'.join(k): tuple(v.shape) for k, v in traverse_util.flatten_dict(params).items()}
+
+
+def _finish(params: Params, source: Path, config: Optional[network.T5Config],
+            dtype: Optional[DTypeLike]) -> Params:
+  if config is not None:
+    validate_params(params, config, str(source))
+  if dtype is not None:
+    target = jnp.dtype(dtype)
+    if not jnp.issubdtype(target, jnp.floating):
+      raise ValueError(f'dtype must be a floating dtype, got {target}')
+    # Integer leaves (none in T5, but e.g. step counters in other trees) keep their type.
+    params = jax.tree.map(
+        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  return params
+
+
+def _zarr_spec(relative_path: str, value: np.ndarray) -> Dict[str, Any]:
+  """A T5X-style tensorstore spec for `value` at `relative_path` (relative to the step dir)."""
+  chunks = list(value.shape)
+  # Halve the largest axis until a chunk fits the target size, as T5X bounds its chunks.
+  while int(np.prod(chunks)) * value.dtype.itemsize > _CHUNK_BYTES:
+    axis = int(np.argmax(chunks))
+    chunks[axis] = (chunks[axis] + 1) // 2
+  return {
+      'driver': 'zarr',
+      'dtype': jnp.dtype(value.dtype).name,
+      'kvstore': {'driver': 'file', 'path': relative_path},
+      'metadata': {
+          'chunks': chunks,
+          'compressor': {'id': 'gzip', 'level': 1},
+          'shape': list(value.shape),
+          'dimension_separator': '.',
+      },
+  }

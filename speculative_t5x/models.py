@@ -1,0 +1,180 @@
+"""A target + draft encoder-decoder model in the style of T5X's `models.EncoderDecoderModel`.
+
+`params = {'target': <T5 params>, 'draft': <T5 params>}`; batches are T5X's feature dicts
+(`encoder_input_tokens`, `decoder_input_tokens`, `decoder_target_tokens`, `decoder_loss_weights`,
+all [batch, length] int32 / float32). The decoding algorithm is the constructor's `decode_fn`
+(gin: `models.EncoderDecoderModel.decode_fn = @decoding.speculative_sample`); decode functions
+that take `draft_cache`/`draft_tokens_to_logits` get the draft model, the others (T5X's
+temperature_sample, beam_search) run the target alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from speculative_t5x import decoding
+from speculative_t5x import network
+
+Array = jnp.ndarray
+Params = Mapping[str, Any]
+
+
+def make_tokens_to_logits(module: network.Transformer, params: Params) -> decoding.TokensToLogits:
+  """The decoding loops' `tokens_to_logits` for one model: feeds cur_token at cur_index."""
+
+  def tokens_to_logits(state: decoding.DecodingState):
+    cache = state.cache.with_index(state.cur_index)
+    return module.apply({'params': params}, state.cur_token, cache,
+                        method=network.Transformer.decode_step)
+
+  return tokens_to_logits
+
+
+def _takes_draft(decode_fn: Callable) -> bool:
+  fn = decode_fn.func if isinstance(decode_fn, functools.partial) else decode_fn
+  return 'draft_tokens_to_logits' in inspect.signature(fn).parameters
+
+
+class EncoderDecoderModel:
+  """T5 target (and optional draft) with T5X's predict/score interface.
+
+  target_config / draft_config: the two networks' `network.T5Config`s.
+  decode_fn: `decoding.speculative_sample` (default), `decoding.bild_decode`,
+    `decoding.temperature_sample` or `beam_search.beam_search`; `decode_kwargs` are passed to it
+    (e.g. gamma, temperature), and `predict_batch_with_aux(decoder_params=...)` overrides them.
+  eos_id / draft_eos_id: the two models' EOS ids (default: from the vocabularies, else 1).
+  """
+
+  def __init__(self, target_config: network.T5Config,
+               draft_config: Optional[network.T5Config] = None,
+               decode_fn: Callable = decoding.speculative_sample,
+               decode_kwargs: Optional[Mapping[str, Any]] = None,
+               input_vocabulary: Any = None, output_vocabulary: Any = None,
+               draft_output_vocabulary: Any = None, eos_id: Optional[int] = None,
+               draft_eos_id: Optional[int] = None):
+    self.target_config = target_config
+    self.draft_config = draft_config
+    self.module = network.Transformer(target_config)
+    self.draft_module = network.Transformer(draft_config) if draft_config else None
+    self.decode_fn = decode_fn
+    self.decode_kwargs = dict(decode_kwargs or {})
+    self.input_vocabulary = input_vocabulary
+    self.output_vocabulary = output_vocabulary
+    vocab_eos = lambda v: getattr(v, 'eos_id', None) if v is not None else None
+    self.eos_id = eos_id if eos_id is not None else (vocab_eos(output_vocabulary) or 1)
+    self.draft_eos_id = draft_eos_id if draft_eos_id is not None else (
+        vocab_eos(draft_output_vocabulary) or self.eos_id)
+    self.uses_draft = _takes_draft(decode_fn)
+    if self.uses_draft:
+      self._check_draft_compatible()
+
+  def _check_draft_compatible(self, params: Optional[Params] = None) -> None:
+    """Raises ValueError naming both values if target and draft cannot be combined."""
+    if self.draft_config is None:
+      raise ValueError(f'{getattr(self.decode_fn, "__name__", self.decode_fn)} needs a draft '
+                       'model: pass draft_config.')
+    sizes = {'target': self.target_config.vocab_size, 'draft': self.draft_config.vocab_size}
+    if params is not None:
+      sizes = {name: params[name]['token_embedder']['embedding'].shape[0] for name in sizes}
+    if sizes['target'] != sizes['draft']:
+      raise ValueError(f'Draft and target vocabularies differ: target vocab_size '
+                       f'{sizes["target"]}, draft vocab_size {sizes["draft"]}.')
+    if self.eos_id != self.draft_eos_id:
+      raise ValueError(f'Draft and target EOS ids differ: target eos_id {self.eos_id}, '
+                       f'draft eos_id {self.draft_eos_id}.')
+
+  # ---------------------------------------------------------------------------------------------
+
+  def get_initial_variables(self, rng: jax.Array, input_shapes: Mapping[str, Tuple[int, ...]]
+                            ) -> Dict[str, Any]:
+    """{'params': {'target', 'draft'}, 'params_axes': {...}} for T5X-style input shapes."""
+    enc = jnp.ones(input_shapes['encoder_input_tokens'], jnp.int32)
+    dec = jnp.ones(input_shapes['decoder_input_tokens'], jnp.int32)
+    target_rng, draft_rng = jax.random.split(rng)
+    out = {'params': {}, 'params_axes': {}}
+    for name, module, key in (('target', self.module, target_rng),
+                              ('draft', self.draft_module, draft_rng)):
+      if module is not None:
+        variables = module.init(key, enc, dec, dec)
+        out['params'][name] = variables['params']
+        out['params_axes'][name] = variables['params_axes']
+    return out
+
+  def _compute_logits(self, params: Params, batch: Mapping[str, Array]) -> Array:
+    return self.module.apply({'params': params['target']}, batch['encoder_input_tokens'],
+                             batch['decoder_input_tokens'], batch['decoder_target_tokens'])
+
+  def score_batch(self, params: Params, batch: Mapping[str, Array]) -> Array:
+    """Sum of the target's log-probabilities of `decoder_target_tokens`, weighted: [batch]."""
+    logits = self._compute_logits(params, batch)
+    log_probs = jax.nn.log_softmax(logits)
+    token_scores = jnp.take_along_axis(log_probs, batch['decoder_target_tokens'][..., None],
+                                       axis=-1)[..., 0]
+    weights = batch.get('decoder_loss_weights')
+    if weights is None:
+      weights = batch['decoder_target_tokens'] > 0
+    return jnp.sum(token_scores * weights, axis=-1)
+
+  def _init_cache(self, module: network.Transformer, params: Params, encoder_input_tokens: Array,
+                  max_length: int) -> network.DecoderCache:
+    encoded = module.apply({'params': params}, encoder_input_tokens,
+                           method=network.Transformer.encode)
+    return module.apply({'params': params}, encoded, encoder_input_tokens, max_length,
+                        method=network.Transformer.init_cache)
+
+  def predict_batch_with_aux(self, params: Params, batch: Mapping[str, Array],
+                             rng: Optional[jax.Array] = None,
+                             decoder_params: Optional[Mapping[str, Any]] = None,
+                             return_all_decodes: bool = False, num_decodes: int = 1,
+                             prompt_with_targets: bool = False) -> Tuple[Array, Dict[str, Any]]:
+    """Decodes a batch: (decodes [batch, length], aux) as T5X's predict_batch_with_aux.
+
+    With return_all_decodes, decodes are [batch, num_decodes, length] sorted best last.
+    aux: 'scores' ([batch] or [batch, num_decodes]) and, for the draft-verify loops,
+    'stats': per-row `decoding.DecodeStats` fields as a dict.
+    Jittable; `decode_fn` and `decoder_params` are static.
+    """
+    if self.uses_draft:
+      self._check_draft_compatible(params)
+    encoder_input_tokens = batch['encoder_input_tokens']
+    decoder_input_tokens = batch['decoder_input_tokens']
+    max_length = decoder_input_tokens.shape[1]
+    if prompt_with_targets:
+      inputs = jnp.where(decoder_input_tokens == self.eos_id, 0, decoder_input_tokens)
+    else:
+      inputs = jnp.zeros_like(decoder_input_tokens)
+    kwargs = {**self.decode_kwargs, **(decoder_params or {})}
+    kwargs.update(
+        inputs=inputs, eos_id=self.eos_id, num_decodes=num_decodes, decode_rng=rng,
+        cache=self._init_cache(self.module, params['target'], encoder_input_tokens, max_length),
+        tokens_to_logits=make_tokens_to_logits(self.module, params['target']))
+    wants_stats = 'return_stats' in inspect.signature(
+        getattr(self.decode_fn, 'func', self.decode_fn)).parameters
+    if wants_stats:
+      kwargs['return_stats'] = True
+    if self.uses_draft:
+      kwargs['draft_cache'] = self._init_cache(self.draft_module, params['draft'],
+                                               encoder_input_tokens, max_length)
+      kwargs['draft_tokens_to_logits'] = make_tokens_to_logits(self.draft_module,
+                                                               params['draft'])
+    outputs = self.decode_fn(**kwargs)
+    decodes, scores = outputs[0], outputs[1]
+    aux = {}
+    if wants_stats:
+      stats = outputs[2]
+      aux['stats'] = {f: getattr(stats, f) for f in stats.__dataclass_fields__}
+    if not return_all_decodes:
+      decodes, scores = decodes[:, -1], scores[:, -1]
+      if 'stats' in aux:
+        aux['stats'] = {k: v[:, -1] for k, v in aux['stats'].items()}
+    aux['scores'] = scores
+    return decodes, aux
+
+  def predict_batch(self, params: Params, batch: Mapping[str, Array],
+                    rng: Optional[jax.Array] = None, **kwargs) -> Array:
+    return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]

@@ -1,0 +1,60 @@
+"""Shared test fixtures: tiny random T5 models and the path of ../shared/data."""
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from speculative_t5x import models
+from speculative_t5x import network
+
+
+def data_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get(
+      'SPECULATIVE_T5X_DATA', pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'))
+
+
+@pytest.fixture
+def t5x_data() -> pathlib.Path:
+  path = data_dir() / 't5x'
+  if not (path / 'test_t5_tiny.checkpoint_0').exists():
+    pytest.skip(f'T5X reference data not found at {path} (set SPECULATIVE_T5X_DATA).')
+  return path
+
+
+def tiny_config(**overrides) -> network.T5Config:
+  values = dict(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=1,
+                num_decoder_layers=2, mlp_dim=32, mlp_activations=('gelu', 'linear'),
+                dropout_rate=0.0)
+  values.update(overrides)
+  return network.T5Config(**values)
+
+
+def random_model(config: network.T5Config, seed: int = 0, logit_scale: float = 1.0):
+  """A (module, params) pair; logit_scale sharpens/flattens its distributions."""
+  params, _ = network.init_params(config, jax.random.PRNGKey(seed))
+  if logit_scale != 1.0:
+    key = 'logits_dense' if not config.logits_via_embedding else None
+    params = jax.tree_util.tree_map(lambda x: x, params)
+    params['decoder']['logits_dense']['kernel'] = params['decoder']['logits_dense']['kernel'] * (
+        logit_scale)
+    del key
+  return network.Transformer(config), params
+
+
+def start_decoding(module, params, encoder_tokens, max_length):
+  """(cache, tokens_to_logits) for a model on encoder_tokens [batch, enc_length]."""
+  encoded = module.apply({'params': params}, encoder_tokens, method=network.Transformer.encode)
+  cache = module.apply({'params': params}, encoded, encoder_tokens, max_length,
+                       method=network.Transformer.init_cache)
+  return cache, models.make_tokens_to_logits(module, params)
+
+
+def ragged_tokens(rng, batch: int, length: int, vocab: int, min_length: int = 1):
+  """Random tokens in [2, vocab) with per-row lengths, zero-padded: [batch, length] int32."""
+  k1, k2 = jax.random.split(rng)
+  tokens = jax.random.randint(k1, (batch, length), 2, vocab)
+  lengths = jax.random.randint(k2, (batch,), min_length, length + 1)
+  return jnp.where(jnp.arange(length)[None] < lengths[:, None], tokens, 0).astype(jnp.int32)

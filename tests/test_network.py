@@ -1,0 +1,139 @@
+"""The network: T5X's parameter tree and outputs, and the multi-token per-row cache."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import serialization
+from flax.traverse_util import flatten_dict
+
+from speculative_t5x import network
+from conftest import ragged_tokens, tiny_config, random_model, start_decoding
+
+
+def test_t5_1_1_small_parameter_count_and_axes():
+  cfg = network.T5Config(vocab_size=32128, emb_dim=512, num_heads=6, head_dim=64,
+                         num_encoder_layers=8, num_decoder_layers=8, mlp_dim=1024,
+                         mlp_activations=('gelu', 'linear'))
+  shapes = jax.eval_shape(lambda: network.init_params(cfg))
+  params, axes = shapes
+  flat = flatten_dict(params, sep='/')
+  assert sum(x.size for x in flat.values()) == 76_961_152  # T5X's T5.1.1-small count
+  flat_axes = flatten_dict(axes, sep='/')
+  assert set(flat_axes) == {k + '_axes' for k in flat}
+  assert flat_axes['token_embedder/embedding_axes'].names == ('vocab', 'embed')
+  assert flat_axes['decoder/logits_dense/kernel_axes'].names == ('embed', 'vocab')
+  assert flat_axes['decoder/layers_3/mlp/wo/kernel_axes'].names == ('mlp', 'embed')
+  assert flat_axes['encoder/relpos_bias/rel_embedding_axes'].names == ('heads', 'relpos_buckets')
+
+
+def test_t5_1_0_layout_uses_embedding_for_logits():
+  cfg = tiny_config(mlp_activations=('relu',), logits_via_embedding=True)
+  params, _ = network.init_params(cfg)
+  flat = flatten_dict(params, sep='/')
+  assert 'decoder/logits_dense/kernel' not in flat
+  assert flat['encoder/layers_0/mlp/wi/kernel'].shape == (16, 32)
+
+
+def _tiny_t5x(t5x_data):
+  raw = serialization.msgpack_restore((t5x_data / 'test_t5_tiny.checkpoint_0').read_bytes())
+  ref = np.load(t5x_data / 'test_t5_tiny_reference.npz')
+  cfg = network.T5Config(**json.loads(str(ref['config'])))
+  return network.Transformer(cfg), raw['optimizer']['target'], ref
+
+
+def test_matches_t5x_reference_outputs(t5x_data):
+  module, params, ref = _tiny_t5x(t5x_data)
+  logits = module.apply({'params': params}, ref['encoder_input_tokens'],
+                        ref['decoder_input_tokens'], ref['decoder_target_tokens'])
+  err = np.abs(np.asarray(logits[:2, :6]) - ref['logits_first2']).max()
+  assert err < 1e-4, err
+  log_probs = np.asarray(jax.nn.log_softmax(logits))
+  at_targets = np.take_along_axis(log_probs, ref['decoder_target_tokens'][..., None], -1)[..., 0]
+  np.testing.assert_allclose(at_targets, ref['log_softmax_at_targets'], atol=1e-4)
+  np.testing.assert_allclose((at_targets * ref['decoder_loss_weights']).sum(-1),
+                             ref['score_batch'], rtol=1e-5)
+
+
+def test_cached_greedy_loop_matches_t5x(t5x_data):
+  module, params, ref = _tiny_t5x(t5x_data)
+  enc = jnp.asarray(ref['encoder_input_tokens'])
+  cache, tokens_to_logits = start_decoding(module, params, enc, 10)
+  step = jax.jit(lambda tok, cache: module.apply({'params': params}, tok, cache,
+                                                 method=network.Transformer.decode_step))
+  token, out = jnp.zeros((4, 1), jnp.int32), []
+  for _ in range(10):
+    logits, cache = step(token, cache)
+    token = jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)
+    out.append(token)
+  np.testing.assert_array_equal(np.concatenate(out, 1), ref['greedy_decodes'])
+
+
+CACHE_CONFIGS = [
+    dict(),
+    dict(num_heads=3, head_dim=5, emb_dim=12, num_decoder_layers=3),  # heads*head_dim != emb
+    dict(mlp_activations=('relu',), logits_via_embedding=True, num_heads=4, head_dim=4),
+]
+
+
+@pytest.mark.parametrize('overrides', CACHE_CONFIGS)
+@pytest.mark.parametrize('batch', [1, 4])
+def test_chunked_cache_equals_full_forward(overrides, batch):
+  cfg = tiny_config(**overrides)
+  module, params = random_model(cfg, seed=batch)
+  rng = np.random.default_rng(batch)
+  length = 11
+  enc = ragged_tokens(jax.random.PRNGKey(1), batch, 7, cfg.vocab_size)
+  targets = ragged_tokens(jax.random.PRNGKey(2), batch, length, cfg.vocab_size, min_length=4)
+  dec_in = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), targets[:, :-1]], axis=1)
+  full = module.apply({'params': params}, enc, dec_in, targets)
+  cache, _ = start_decoding(module, params, enc, length)
+  step = jax.jit(lambda tok, cache, n: module.apply(
+      {'params': params}, tok, cache, n, method=network.Transformer.decode_step))
+  fed = np.zeros(batch, np.int64)
+  got = np.zeros(full.shape, np.float32)
+  while (fed < length).any():
+    # Each row feeds its own chunk size this step; shorter rows pad their chunk with junk.
+    sizes = np.minimum(rng.integers(1, 5, batch), length - fed)
+    k = int(sizes.max())
+    chunk = np.full((batch, k), 7, np.int32)
+    for b in range(batch):
+      chunk[b, :sizes[b]] = np.asarray(dec_in[b, fed[b]:fed[b] + sizes[b]])
+    logits, cache = step(jnp.asarray(chunk), cache, jnp.asarray(sizes, jnp.int32))
+    for b in range(batch):
+      got[b, fed[b]:fed[b] + sizes[b]] = np.asarray(logits[b, :sizes[b]])
+    fed += sizes
+  np.testing.assert_array_equal(np.asarray(cache.index), np.full(batch, length))
+  valid = np.asarray(targets > 0)
+  err = np.abs(got - np.asarray(full))[valid].max()
+  assert err < 1e-5, err
+
+
+@pytest.mark.parametrize('overrides', CACHE_CONFIGS[:2])
+def test_rollback_equals_fresh_run(overrides):
+  cfg = tiny_config(**overrides)
+  module, params = random_model(cfg, seed=3)
+  batch, length = 3, 12
+  enc = ragged_tokens(jax.random.PRNGKey(4), batch, 6, cfg.vocab_size)
+  step = jax.jit(lambda tok, cache: module.apply({'params': params}, tok, cache,
+                                                 method=network.Transformer.decode_step))
+  prefix = jax.random.randint(jax.random.PRNGKey(5), (batch, 3), 2, cfg.vocab_size)
+  advance = jax.random.randint(jax.random.PRNGKey(6), (batch, 5), 2, cfg.vocab_size)
+  new = jax.random.randint(jax.random.PRNGKey(7), (batch, 4), 2, cfg.vocab_size)
+  back = jnp.array([5, 2, 0])  # per-row rollback j <= k = 5
+
+  cache, _ = start_decoding(module, params, enc, length)
+  _, cache = step(prefix, cache)
+  _, cache = step(advance, cache)
+  cache = cache.with_index(cache.index - back)
+  rolled, _ = step(new, cache)
+
+  for b in range(batch):
+    kept = int(5 - back[b])
+    fresh_cache, _ = start_decoding(module, params, enc[b:b + 1], length)
+    tokens = jnp.concatenate([prefix[b:b + 1], advance[b:b + 1, :kept], new[b:b + 1]], axis=1)
+    fresh, _ = module.apply({'params': params}, tokens, fresh_cache,
+                            method=network.Transformer.decode_step)
+    np.testing.assert_allclose(np.asarray(rolled[b]), np.asarray(fresh[0, -4:]), atol=1e-5)
