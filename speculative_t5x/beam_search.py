@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from speculative_t5x.decoding import DecodingState
+from speculative_t5x.decoding import DecodingState, cache_map, match_container
 
 Array = jnp.ndarray
 PyTree = Any
@@ -32,14 +32,6 @@ PyTree = Any
 # -inf: scores are shifted by it (x + NEG_INF), and the float32 rounding of those sums decides
 # ties exactly as in T5X.
 NEG_INF = -1.0e7
-
-# Leaves of a T5X flax cache that have no batch axis: the shared relative-position bias and the
-# absolute position embedder's scalar index. T5X's `cache_map` leaves them alone, so do we.
-_LEAVES_WITHOUT_BATCH = ('cached_bias', 'position_embedder_index')
-# T5X's per-layer decode position: a scalar (shared by the batch) unless the cache was
-# prefilled, when it is a [batch] vector that must be expanded like the other leaves.
-_CACHE_INDEX_LEAF = 'cache_index'
-
 
 @flax.struct.dataclass
 class BeamState:
@@ -65,52 +57,6 @@ class BeamState:
 def brevity_penalty(alpha: float, length: Any) -> Array:
   """GNMT's length normalisation ((5 + length) / 6) ** alpha, as T5X computes it (float32)."""
   return jnp.power((5.0 + length) / 6.0, alpha)
-
-
-def _leaf_name(path: Tuple[Any, ...]) -> Optional[str]:
-  """The last dict key or attribute name on a pytree path (None for a sequence index)."""
-  if not path:
-    return None
-  key = path[-1]
-  if isinstance(key, jax.tree_util.DictKey):
-    return str(key.key)
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return key.name
-  return None
-
-
-def cache_map(fn: Callable[[Array], Array], cache: PyTree, batch_axis: int = 0,
-              apply_to_index: bool = False) -> PyTree:
-  """Applies `fn` to every cache leaf that has a batch axis; other leaves pass through.
-
-  Skipped, as in T5X's `cache_map`: leaves named 'cached_bias' or 'position_embedder_index',
-  leaves named 'cache_index' unless `apply_to_index`, and leaves with no axis `batch_axis`
-  (scalars). Works on any pytree (a `DecoderCache`, a dict or FrozenDict).
-  """
-
-  def maybe_apply(path, x):
-    name = _leaf_name(path)
-    if name in _LEAVES_WITHOUT_BATCH or (name == _CACHE_INDEX_LEAF and not apply_to_index):
-      return x
-    if jnp.ndim(x) <= batch_axis:
-      return x
-    return fn(x)
-
-  return jax.tree_util.tree_map_with_path(maybe_apply, cache)
-
-
-def _match_container(new_cache: PyTree, like: PyTree) -> PyTree:
-  """Returns `new_cache` frozen or unfrozen like `like`, so the loop carry keeps one structure.
-
-  A flax `apply(..., mutable=['cache'])` may hand back a dict for a FrozenDict input (or the
-  reverse, depending on the flax version); lax.while_loop needs the carry's treedef unchanged.
-  """
-  if isinstance(like, flax.core.FrozenDict) and not isinstance(new_cache, flax.core.FrozenDict):
-    return flax.core.freeze(new_cache)
-  if (isinstance(like, dict) and not isinstance(like, flax.core.FrozenDict) and
-      isinstance(new_cache, flax.core.FrozenDict)):
-    return flax.core.unfreeze(new_cache)
-  return new_cache
 
 
 def _gather_beams(x: Array, beam_indices: Array) -> Array:
@@ -273,7 +219,7 @@ def beam_search(inputs: Array,
         cur_token=cur_token.reshape(batch * beam, 1),
         cache=state.cache)
     flat_logits, new_cache = tokens_to_logits(decoding_state)
-    new_cache = _match_container(new_cache, state.cache)
+    new_cache = match_container(new_cache, state.cache)
     logits = _last_token_logits(flat_logits).astype(jnp.float32)
     vocab = logits.shape[-1]
     # [batch, beam, vocab] log-probabilities of every one-token extension.

@@ -35,16 +35,15 @@ output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, 
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 Array = jnp.ndarray
+PyTree = Any
 
 MIN_TEMPERATURE = 1e-4
 # Logit given to masked tokens (T5X's value): finite, so no inf - inf in the arithmetic.
@@ -253,11 +252,9 @@ class _Draft(NamedTuple):
 
 def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any,
           sequences: Array) -> Tuple[Array, Any]:
-  frozen = isinstance(cache, flax.core.FrozenDict)
-  logits, cache = fn(DecodingState(cur_index=index, sequences=sequences, cur_token=tokens,
-                                   cache=cache))
-  if frozen:
-    cache = flax.core.freeze(cache)
+  logits, new_cache = fn(DecodingState(cur_index=index, sequences=sequences, cur_token=tokens,
+                                       cache=cache))
+  cache = match_container(new_cache, cache)
   if logits.ndim == 2:
     logits = logits[:, None, :]
   return logits.astype(jnp.float32), cache
@@ -437,8 +434,58 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
 # ------------------------------------------------------------------------------------------------
 # Batch expansion for num_decodes, and the public decoders.
 
-# Cache leaves that carry no batch axis in T5X's flax caches.
-_UNBATCHED_CACHE_LEAVES = ('cache_index', 'cached_bias', 'position_embedder_index')
+# Leaves of a T5X flax cache that have no batch axis: the shared relative-position bias and the
+# absolute position embedder's scalar index. T5X's `cache_map` leaves them alone, so do we.
+_LEAVES_WITHOUT_BATCH = ('cached_bias', 'position_embedder_index')
+# T5X's per-layer decode position: a scalar (shared by the batch) unless the cache was
+# prefilled, when it is a [batch] vector that must be expanded like the other leaves.
+_CACHE_INDEX_LEAF = 'cache_index'
+
+
+def _leaf_name(path: Tuple[Any, ...]) -> Optional[str]:
+  """The last dict key or attribute name on a pytree path (None for a sequence index)."""
+  if not path:
+    return None
+  key = path[-1]
+  if isinstance(key, jax.tree_util.DictKey):
+    return str(key.key)
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return key.name
+  return None
+
+
+def cache_map(fn: Callable[[Array], Array], cache: PyTree, batch_axis: int = 0,
+              apply_to_index: bool = False) -> PyTree:
+  """Applies `fn` to every cache leaf that has a batch axis; other leaves pass through.
+
+  Skipped, as in T5X's `cache_map`: leaves named 'cached_bias' or 'position_embedder_index',
+  leaves named 'cache_index' unless `apply_to_index`, and leaves with no axis `batch_axis`
+  (scalars). Works on any pytree (a `DecoderCache`, a dict or FrozenDict).
+  """
+
+  def maybe_apply(path, x):
+    name = _leaf_name(path)
+    if name in _LEAVES_WITHOUT_BATCH or (name == _CACHE_INDEX_LEAF and not apply_to_index):
+      return x
+    if jnp.ndim(x) <= batch_axis:
+      return x
+    return fn(x)
+
+  return jax.tree_util.tree_map_with_path(maybe_apply, cache)
+
+
+def match_container(new_cache: PyTree, like: PyTree) -> PyTree:
+  """Returns `new_cache` frozen or unfrozen like `like`, so the loop carry keeps one structure.
+
+  A flax `apply(..., mutable=['cache'])` may hand back a dict for a FrozenDict input (or the
+  reverse, depending on the flax version); lax.while_loop needs the carry's treedef unchanged.
+  """
+  if isinstance(like, flax.core.FrozenDict) and not isinstance(new_cache, flax.core.FrozenDict):
+    return flax.core.freeze(new_cache)
+  if (isinstance(like, dict) and not isinstance(like, flax.core.FrozenDict) and
+      isinstance(new_cache, flax.core.FrozenDict)):
+    return flax.core.unfreeze(new_cache)
+  return new_cache
 
 
 def flat_batch_beam_expand(x: Array, beam_size: int, offset: int = 0) -> Array:
@@ -450,15 +497,7 @@ def expand_cache(cache: Any, beam_size: int, offset: int = 0) -> Any:
   """Repeats every batch row of a cache `beam_size` times (DecoderCache or T5X flax cache)."""
   if beam_size == 1 or cache is None:
     return cache
-  if isinstance(cache, (dict, flax.core.FrozenDict)):
-    frozen = isinstance(cache, flax.core.FrozenDict)
-    flat = traverse_util.flatten_dict(flax.core.unfreeze(cache))
-    flat = {k: v if k[-1] in _UNBATCHED_CACHE_LEAVES else flat_batch_beam_expand(v, beam_size,
-                                                                                 offset)
-            for k, v in flat.items()}
-    cache = traverse_util.unflatten_dict(flat)
-    return flax.core.freeze(cache) if frozen else cache
-  return jax.tree_util.tree_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache)
+  return cache_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache, offset)
 
 
 def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,

@@ -36,11 +36,8 @@ def random_model(config: network.T5Config, seed: int = 0, logit_scale: float = 1
   """A (module, params) pair; logit_scale sharpens/flattens its distributions."""
   params, _ = network.init_params(config, jax.random.PRNGKey(seed))
   if logit_scale != 1.0:
-    key = 'logits_dense' if not config.logits_via_embedding else None
-    params = jax.tree_util.tree_map(lambda x: x, params)
     params['decoder']['logits_dense']['kernel'] = params['decoder']['logits_dense']['kernel'] * (
         logit_scale)
-    del key
   return network.Transformer(config), params
 
 
