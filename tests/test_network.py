@@ -137,3 +137,13 @@ def test_rollback_equals_fresh_run(overrides):
     fresh, _ = module.apply({'params': params}, tokens, fresh_cache,
                             method=network.Transformer.decode_step)
     np.testing.assert_allclose(np.asarray(rolled[b]), np.asarray(fresh[0, -4:]), atol=1e-5)
+
+
+def test_core_modules_do_not_import_tensorflow():
+  import subprocess
+  import sys
+  code = ('import sys; import speculative_t5x.network, speculative_t5x.decoding, '
+          'speculative_t5x.models, speculative_t5x.beam_search, speculative_t5x.checkpoints; '
+          'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "seqio")))')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == '[]', out.stdout
