@@ -180,7 +180,10 @@ SAMPLING_SETTINGS = {
 def test_speculative_sampling_is_exact_and_controls_fail(setting):
   kwargs = dict(SAMPLING_SETTINGS[setting])
   target = random_model(SMALL, seed=20, logit_scale=3.0)
-  draft = random_model(SMALL, seed=21, logit_scale=3.0)
+  # A perturbed copy of the target: alpha ~ 0.4, so rejections, corrections and fully accepted
+  # drafts with bonus tokens all occur thousands of times.
+  draft = (target[0], jax.tree_util.tree_map(
+      lambda x: x + jax.random.normal(jax.random.PRNGKey(7), x.shape), target[1]))
   enc = jnp.array([[3, 4, 5, 1]], jnp.int32)
   dist = _exact_distribution(target, enc, kwargs['temperature'], kwargs['topk'], kwargs['topp'])
   encs = jnp.repeat(enc, NUM_SAMPLES, axis=0)
@@ -203,7 +206,7 @@ def test_speculative_sampling_is_exact_and_controls_fail(setting):
                                  ('accept_if_p_above_q', _accept_if_p_above_q()))}
   print(f'{setting}: alpha={alpha:.3f} exact p={p_value:.3g} controls ' +
         ' '.join(f'{k} p={v:.3g}' for k, v in controls.items()))
-  assert 0.05 < alpha < 0.95  # a draft that differs from the target, so the test has teeth
+  assert 0.2 < alpha < 0.8  # a draft that differs from the target, so the test has teeth
   assert p_value > 1e-3
   for name, control_p in controls.items():
     assert control_p < 1e-6, name
