@@ -17,8 +17,14 @@ setuptools.setup(
         'sentencepiece>=0.1.99',
         'msgpack>=1.0',
         'numpy>=1.24',
+        'ml_dtypes>=0.2',
+        'absl-py>=1.0',
+        'tqdm>=4.60',
     ],
     extras_require={
         'test': ['pytest>=7.0', 'scipy>=1.10'],
+        # Hugging Face folders: safetensors are read without these; pytorch_model.bin needs
+        # torch, and the logit-parity tests build models with transformers.
+        'hf': ['torch>=2.0', 'transformers>=4.30'],
     },
 )

@@ -22,6 +22,7 @@ tree of `network.init_params`, e.g. `params['encoder']['layers_0']['attention'][
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import time
@@ -85,6 +86,59 @@ def load_t5x_checkpoint(path: PathLike, config: Optional[network.T5Config] = Non
   else:
     params = _read_legacy_target(source)
   return _finish(params, source, config, dtype)
+
+
+def load_checkpoint(path: PathLike, config: Optional[network.T5Config] = None,
+                    dtype: Optional[DTypeLike] = None) -> Params:
+  """Reads parameters from any supported checkpoint, detecting the format from the files.
+
+  Formats: everything `load_t5x_checkpoint` reads (T5X legacy, T5X Orbax, `save_params`); a
+  weights file of `train.export_weights` (msgpack with 'config' and 'params'; its stored
+  config must agree with `config`); a training run folder of `speculative_t5x.train`
+  (`config.json` + `checkpoints/`); a Hugging Face T5 folder (`config.json` + `*.safetensors`
+  or `pytorch_model.bin`, see `hf.py`).
+
+  Raises FileNotFoundError for a missing path and a one-line ValueError for anything
+  unreadable or not matching `config`.
+  """
+  path = Path(path).absolute()
+  if not path.exists():
+    raise FileNotFoundError(f'No such checkpoint: {path}')
+  if path.is_dir() and (path / 'config.json').is_file():
+    if (path / 'checkpoints').is_dir():
+      from speculative_t5x import train  # pylint: disable=g-import-not-at-top  (optax, absl)
+      run_config, params, _ = train.restore_params(path)
+      return _finish(_check_stored_config(params, run_config, config, path), path, config, dtype)
+    from speculative_t5x import hf  # pylint: disable=g-import-not-at-top
+    if hf.is_hf_checkpoint(path):
+      hf_config, params = hf.load_hf_t5(path)
+      return _finish(_check_stored_config(params, hf_config, config, path), path, config, dtype)
+  if path.is_file():
+    contents = _read_msgpack(path)
+    if isinstance(contents, dict) and 'params' in contents and 'config' in contents:
+      stored = network.T5Config(**json.loads(contents['config']))
+      params = jax.tree.map(np.asarray, contents['params'])
+      return _finish(_check_stored_config(params, stored, config, path), path, config, dtype)
+    return _finish(_read_legacy_target(path, contents), path, config, dtype)
+  return load_t5x_checkpoint(path, config, dtype)
+
+
+# Fields that change what the parameters mean; dtype and dropout do not.
+_ARCHITECTURE_FIELDS = ('vocab_size', 'emb_dim', 'num_heads', 'num_encoder_layers',
+                        'num_decoder_layers', 'head_dim', 'mlp_dim', 'mlp_activations',
+                        'logits_via_embedding')
+
+
+def _check_stored_config(params: Params, stored: network.T5Config,
+                         config: Optional[network.T5Config], source: Path) -> Params:
+  """Raises a one-line ValueError if a checkpoint's own config disagrees with `config`."""
+  if config is not None:
+    differ = [f'{f} {getattr(stored, f)!r} in the checkpoint but {getattr(config, f)!r} in the '
+              'config' for f in _ARCHITECTURE_FIELDS if getattr(stored, f) != getattr(config, f)]
+    if differ:
+      raise ValueError(f'checkpoint does not match T5Config: {differ[0]} '
+                       f'({len(differ)} field(s) differ) [{source}]')
+  return params
 
 
 def save_params(path: PathLike, params: Params, step: int = 0, overwrite: bool = False) -> Path:
@@ -237,8 +291,8 @@ def _find_checkpoint(path: Path) -> Path:
 # Reading.
 
 
-def _read_legacy_target(path: Path) -> Params:
-  """Reads `optimizer/target` from a legacy msgpack file, resolving tensorstore specs."""
+def _read_msgpack(path: Path) -> Any:
+  """The decoded contents of a msgpack checkpoint file (ValueError if it is not one)."""
   not_t5x = f'{path} is not a T5X checkpoint'
   with open(path, 'rb') as f:
     head = f.read(1)
@@ -246,9 +300,15 @@ def _read_legacy_target(path: Path) -> Params:
       raise ValueError(f'{not_t5x} (not a msgpack map)')
     data = head + f.read()
   try:
-    contents = flax.serialization.msgpack_restore(data)
+    return flax.serialization.msgpack_restore(data)
   except Exception as e:  # msgpack signals corrupt input with many unrelated exception types.
     raise ValueError(f'{not_t5x} (msgpack decoding failed: {type(e).__name__})') from e
+
+
+def _read_legacy_target(path: Path, contents: Any = None) -> Params:
+  """Reads `optimizer/target` from a legacy msgpack file, resolving tensorstore specs."""
+  not_t5x = f'{path} is not a T5X checkpoint'
+  contents = _read_msgpack(path) if contents is None else contents
   optimizer = contents.get('optimizer') if isinstance(contents, dict) else None
   if not isinstance(optimizer, dict) or not isinstance(optimizer.get('target'), dict):
     raise ValueError(f"{not_t5x} (no 'optimizer'/'target' in the msgpack)")

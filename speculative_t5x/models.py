@@ -65,11 +65,15 @@ class EncoderDecoderModel:
     self.decode_kwargs = dict(decode_kwargs or {})
     self.input_vocabulary = input_vocabulary
     self.output_vocabulary = output_vocabulary
+    self.draft_output_vocabulary = draft_output_vocabulary
     vocab_eos = lambda v: getattr(v, 'eos_id', None) if v is not None else None
     self.eos_id = eos_id if eos_id is not None else (vocab_eos(output_vocabulary) or 1)
     self.draft_eos_id = draft_eos_id if draft_eos_id is not None else (
         vocab_eos(draft_output_vocabulary) or self.eos_id)
     self.uses_draft = _takes_draft(decode_fn)
+    # Applied to each decoder cache where it is created; `partitioning.partition_predict` sets
+    # it to pin caches to their mesh shardings (identity otherwise).
+    self.constrain_cache: Callable[[Any], Any] = lambda cache: cache
     if self.uses_draft:
       self._check_draft_compatible()
 
@@ -124,8 +128,9 @@ class EncoderDecoderModel:
                   max_length: int) -> network.DecoderCache:
     encoded = module.apply({'params': params}, encoder_input_tokens,
                            method=network.Transformer.encode)
-    return module.apply({'params': params}, encoded, encoder_input_tokens, max_length,
-                        method=network.Transformer.init_cache)
+    return self.constrain_cache(
+        module.apply({'params': params}, encoded, encoder_input_tokens, max_length,
+                     method=network.Transformer.init_cache))
 
   def predict_batch_with_aux(self, params: Params, batch: Mapping[str, Array],
                              rng: Optional[jax.Array] = None,

@@ -1,0 +1,286 @@
+"""Sharding target and draft over a ('data', 'model') device mesh with T5X's logical axis rules.
+
+T5X names every parameter axis logically (`network.init_params` returns those names as
+`params_axes`) and maps names to mesh axes with `standard_logical_axis_rules`; this module does
+the same for both models of a speculative pair and for their `network.DecoderCache`s, then
+compiles the whole predict function once with explicit input and output shardings (`jax.jit`
+with shardings is what `pjit` became). The batch is split over 'data'; heads, MLP and vocabulary
+over 'model'.
+
+Shapes: `batch` rows, `length` positions; a mesh is `data` x `model` devices.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+from absl import logging
+import flax
+import flax.linen as nn
+from flax.linen import partitioning as nn_partitioning
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from speculative_t5x import network
+
+LogicalAxisRules = Tuple[Tuple[str, Optional[str]], ...]
+PyTree = Any
+
+MESH_AXES = ('data', 'model')
+# Logical names of the DecoderCache leaves (T5X's activation names): keys/values
+# [batch, length, heads, head_dim], the per-row index [batch], the encoder mask [batch, length].
+_CACHE_KV_AXES = ('batch', 'length', 'heads', 'kv')
+
+
+def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
+                                parameter_partitioning_dims: int = 1,
+                                additional_rules: Optional[Sequence[Tuple[str, Optional[str]]]]
+                                = None) -> LogicalAxisRules:
+  """T5X's default logical-name -> mesh-axis rules (1-D or 2-D activation/parameter sharding).
+
+  With (1, 1): batch over 'data'; vocab, mlp, heads and joined_kv over 'model'; embed and kv
+  replicated. activation_partitioning_dims=2 also splits activations' embed over 'model';
+  parameter_partitioning_dims=2 splits parameters' embed over 'data' (2-D weight sharding).
+  `additional_rules` come first, so they take precedence (flax uses the first matching rule).
+  """
+  if activation_partitioning_dims not in (1, 2) or parameter_partitioning_dims not in (1, 2):
+    raise ValueError('activation_partitioning_dims and parameter_partitioning_dims must be 1 or '
+                     f'2, got {activation_partitioning_dims} and {parameter_partitioning_dims}.')
+  rules = [('batch', 'data'), ('vocab', 'model')]
+  if activation_partitioning_dims == 2:
+    rules.append(('embed', 'model'))
+  if parameter_partitioning_dims == 2:
+    rules.append(('embed', 'data'))
+  rules += [('embed', None), ('mlp', 'model'), ('heads', 'model'), ('kv', None),
+            ('joined_kv', 'model')]
+  rules += [('relpos_buckets', None), ('abspos_buckets', None), ('length', None),
+            ('layers', None), ('stack', None), ('mlp_activations', None)]
+  return tuple(additional_rules or ()) + tuple(rules)
+
+
+def create_mesh(mesh_shape: Optional[Tuple[int, int]] = None, num_partitions: int = 1,
+                devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A 2-D Mesh over ('data', 'model').
+
+  mesh_shape: (data, model) sizes whose product is the number of devices; default
+    (devices / num_partitions, num_partitions). A -1 entry is inferred.
+  devices: default `jax.devices()` (all processes' devices, process-major, so each host's
+    devices form contiguous 'data' rows and 'model' groups stay within a host when they fit).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  if mesh_shape is None:
+    if n % num_partitions:
+      raise ValueError(f'num_partitions={num_partitions} does not divide the {n} devices.')
+    mesh_shape = (n // num_partitions, num_partitions)
+  mesh_shape = tuple(int(s) for s in mesh_shape)
+  if len(mesh_shape) != 2:
+    raise ValueError(f'mesh_shape must be (data, model), got {mesh_shape}.')
+  if mesh_shape.count(-1) == 1:
+    known = -math.prod(mesh_shape)
+    if n % known:
+      raise ValueError(f'mesh_shape {mesh_shape} cannot cover {n} devices.')
+    mesh_shape = tuple(n // known if s == -1 else s for s in mesh_shape)
+  if math.prod(mesh_shape) != n:
+    raise ValueError(f'mesh_shape {mesh_shape} needs {math.prod(mesh_shape)} devices, '
+                     f'but {n} are available.')
+  # Sort by process, then id: jax.devices() order is not guaranteed to group hosts.
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return Mesh(np.asarray(devices, dtype=object).reshape(mesh_shape), MESH_AXES)
+
+
+def _spec_for_shape(logical: Optional[Sequence[Optional[str]]], shape: Sequence[int],
+                    rules: LogicalAxisRules, mesh: Mesh, what: str = '') -> PartitionSpec:
+  """Mesh PartitionSpec of an array with logical axis names; undividable axes are replicated.
+
+  T5X would fail on an axis whose size the mesh axis does not divide (e.g. 6 heads over 4
+  devices); replicating that one axis keeps the program correct at some memory cost, and the
+  warning says so.
+  """
+  if logical is None:
+    return PartitionSpec()
+  spec = nn.logical_to_mesh_axes(tuple(logical), rules)
+  out = []
+  for dim, (size, axis) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    if axis is None:
+      out.append(None)
+      continue
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    devices = math.prod(mesh.shape[a] for a in axes)
+    if size % devices:
+      logging.warning('%s: axis %d (%s, size %d) is not divisible by mesh axis %s (%d devices); '
+                      'replicating it.', what or 'array', dim, logical[dim], size, axis, devices)
+      out.append(None)
+    else:
+      out.append(axis)
+  while out and out[-1] is None:
+    out.pop()
+  return PartitionSpec(*out)
+
+
+def params_logical_axes(config: network.T5Config) -> PyTree:
+  """Per-parameter tuples of logical axis names, in the tree of `network.init_params(config)`.
+
+  Computed abstractly (no parameters are materialised), so it also serves checkpoints that
+  carry no axis names (T5X legacy, Hugging Face).
+  """
+  _, params_axes = jax.eval_shape(functools.partial(network.init_params, config))
+  return axes_to_names(params_axes)
+
+
+def axes_to_names(params_axes: PyTree) -> PyTree:
+  """T5X `params_axes` (`<name>_axes: AxisMetadata`) -> tuples of names under the params' keys."""
+  specs = flax.core.unfreeze(nn_partitioning.get_axis_names(params_axes))
+  return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def params_shardings(params: PyTree, logical_axes: PyTree, mesh: Mesh,
+                     rules: Optional[LogicalAxisRules] = None) -> PyTree:
+  """NamedSharding per parameter (tree of `params`, whose leaves may be ShapeDtypeStructs)."""
+  rules = standard_logical_axis_rules() if rules is None else rules
+  flat_names = dict(jax.tree_util.tree_flatten_with_path(
+      logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0])
+
+  def sharding(path, leaf):
+    names = flat_names.get(path)
+    if names is None:
+      raise ValueError(f'No logical axis names for parameter {jax.tree_util.keystr(path)}.')
+    spec = _spec_for_shape(names, np.shape(leaf), rules, mesh, jax.tree_util.keystr(path))
+    return NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(sharding, params)
+
+
+def cache_shardings(cache: network.DecoderCache, mesh: Mesh,
+                    rules: Optional[LogicalAxisRules] = None) -> network.DecoderCache:
+  """NamedShardings of a DecoderCache: batch over 'data', heads over 'model' (by `rules`)."""
+  rules = standard_logical_axis_rules() if rules is None else rules
+
+  def sharding(path, leaf):
+    ndim = np.ndim(leaf)
+    logical = _CACHE_KV_AXES if ndim == 4 else ('batch', 'length')[:ndim]
+    spec = _spec_for_shape(logical, np.shape(leaf), rules, mesh, 'cache' + jax.tree_util.keystr(path))
+    return NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(sharding, cache)
+
+
+def constrain_cache(mesh: Mesh, rules: Optional[LogicalAxisRules] = None
+                    ) -> Callable[[Any], Any]:
+  """A function pinning a (traced) DecoderCache to `cache_shardings`; others pass unchanged."""
+
+  def constrain(cache):
+    if not isinstance(cache, network.DecoderCache):
+      return cache
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
+
+  return constrain
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Every batch feature [batch, ...] split over 'data' (also every predict output)."""
+  return NamedSharding(mesh, PartitionSpec('data'))
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> Dict[str, jax.Array]:
+  """Places a batch on the mesh, split over 'data'.
+
+  Single process: `batch` is the global batch. Several processes: each passes its own rows
+  (global batch / process count, in process order), as T5X's per-host input pipeline does.
+  """
+  sharding = batch_sharding(mesh)
+  if jax.process_count() == 1:
+    return {k: jax.device_put(np.asarray(v), sharding) for k, v in batch.items()}
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def shard_params(params: PyTree, shardings: PyTree) -> PyTree:
+  """Puts host arrays onto the mesh; each process must hold the full (replicated) values."""
+  if jax.process_count() == 1:
+    return jax.device_put(params, shardings)
+  return jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]),
+      params, shardings)
+
+
+def pair_shardings(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = None,
+                   params: Optional[PyTree] = None) -> Dict[str, PyTree]:
+  """{'target': shardings, 'draft': shardings} for an `EncoderDecoderModel`'s parameters.
+
+  Shapes come from `params` when given, else from the configs (abstractly).
+  """
+  out = {}
+  for name, config in (('target', model.target_config), ('draft', model.draft_config)):
+    if config is None or (params is not None and name not in params):
+      continue
+    shapes = params[name] if params is not None else jax.eval_shape(
+        functools.partial(network.init_params, config))[0]
+    out[name] = params_shardings(shapes, params_logical_axes(config), mesh, rules)
+  return out
+
+
+def partition_predict(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = None,
+                      params: Optional[PyTree] = None, **predict_kwargs
+                      ) -> Callable[[PyTree, Mapping[str, jax.Array], jax.Array],
+                                    Tuple[jax.Array, Dict[str, Any]]]:
+  """`model.predict_batch_with_aux` compiled once for `mesh` with explicit shardings.
+
+  Returns `fn(params, batch, rng) -> (decodes [batch, length], aux)`: params {'target',
+  'draft'} sharded by the logical axis rules (`pair_shardings`), every batch feature and every
+  output split over 'data', `rng` replicated. Both models' decoder caches are pinned to
+  `cache_shardings` where they are created. `predict_kwargs` (decoder_params, num_decodes,
+  return_all_decodes, ...) are fixed at compile time. Batch size must be a multiple of the
+  'data' size.
+  """
+  rules = standard_logical_axis_rules() if rules is None else rules
+  sharded_model = copy.copy(model)
+  sharded_model.constrain_cache = constrain_cache(mesh, rules)
+  param_shardings = pair_shardings(model, mesh, rules, params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def predict(params, batch, rng):
+    with nn_partitioning.axis_rules(rules):
+      return sharded_model.predict_batch_with_aux(params, batch, rng, **predict_kwargs)
+
+  return jax.jit(predict, in_shardings=(param_shardings, batch_sharding(mesh), replicated),
+                 out_shardings=batch_sharding(mesh))
+
+
+class Partitioner:
+  """The mesh and rules of one job (gin: `partitioning.Partitioner`, T5X's PjitPartitioner role).
+
+  num_partitions: devices per model replica ('model' size); ignored when `mesh_shape` is given.
+  mesh_shape: (data, model); -1 in one entry is inferred from the device count.
+  logical_axis_rules: default `standard_logical_axis_rules()`.
+  """
+
+  def __init__(self, num_partitions: int = 1, mesh_shape: Optional[Tuple[int, int]] = None,
+               logical_axis_rules: Optional[LogicalAxisRules] = None):
+    self.num_partitions = num_partitions
+    self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
+    self.logical_axis_rules = (standard_logical_axis_rules() if logical_axis_rules is None
+                               else tuple(tuple(r) for r in logical_axis_rules))
+    self._mesh: Optional[Mesh] = None
+
+  @property
+  def mesh(self) -> Mesh:
+    if self._mesh is None:
+      self._mesh = create_mesh(self.mesh_shape, self.num_partitions)
+    return self._mesh
+
+  @property
+  def data_size(self) -> int:
+    """Number of batch shards: the global batch size must be a multiple of it."""
+    return self.mesh.shape['data']
+
+  def pair_shardings(self, model: Any, params: Optional[PyTree] = None) -> Dict[str, PyTree]:
+    return pair_shardings(model, self.mesh, self.logical_axis_rules, params)
+
+  def partition_predict(self, model: Any, params: Optional[PyTree] = None, **predict_kwargs):
+    return partition_predict(model, self.mesh, self.logical_axis_rules, params, **predict_kwargs)

@@ -1,0 +1,102 @@
+"""The shipped gin configs parse, build what they say, and agree with T5X and with training."""
+
+import pathlib
+
+import gin
+import pytest
+
+from speculative_t5x import decoding
+from speculative_t5x import infer  # registers the configurables
+from speculative_t5x import network
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = REPO / 'gin_configs'
+
+# T5X's t5x/examples/t5/{t5_1_1,mt5}/*.gin: emb_dim, num_heads, encoder/decoder layers,
+# head_dim, mlp_dim.
+T5X_SIZES = {
+    'small': (512, 6, 8, 8, 64, 1024), 'base': (768, 12, 12, 12, 64, 2048),
+    'large': (1024, 16, 24, 24, 64, 2816), 'xl': (2048, 32, 24, 24, 64, 5120),
+    'xxl': (4096, 64, 24, 24, 64, 10240)}
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+  gin.clear_config()
+  gin.add_config_file_search_path(str(REPO))
+  yield
+  gin.clear_config()
+
+
+def _config(scope: str) -> network.T5Config:
+  return gin.get_configurable(f'{scope}/network.T5Config')()
+
+
+@pytest.mark.parametrize('family,vocab', [('t5_1_1', 32128), ('mt5', 250112)])
+@pytest.mark.parametrize('size', sorted(T5X_SIZES))
+def test_model_configs_have_t5x_hyperparameters(family, vocab, size):
+  gin.parse_config_file(str(CONFIGS / 'models' / family / f'{size}.gin'))
+  with gin.config_scope(f'{family}_{size}'):
+    cfg = gin.get_configurable('network.T5Config')()
+  emb, heads, enc, dec, head_dim, mlp = T5X_SIZES[size]
+  assert (cfg.emb_dim, cfg.num_heads, cfg.num_encoder_layers, cfg.num_decoder_layers,
+          cfg.head_dim, cfg.mlp_dim) == (emb, heads, enc, dec, head_dim, mlp)
+  assert cfg.vocab_size == vocab
+  assert cfg.mlp_activations == ('gelu', 'linear') and not cfg.logits_via_embedding
+  assert str(cfg.dtype) == 'bfloat16'
+
+
+def _scoped_config(scope):
+  with gin.config_scope(scope):
+    return gin.get_configurable('network.T5Config')()
+
+
+def test_pair_file_matches_training_model_files():
+  """gin_configs/pairs/multi30k.gin restates models/multi30k_{target,draft}.gin under scopes."""
+  ignore = ('dropout_rate',)  # inference turns dropout off
+  for role in ('target', 'draft'):
+    gin.clear_config()
+    gin.parse_config_file(str(CONFIGS / 'models' / f'multi30k_{role}.gin'))
+    trained = gin.get_configurable('network.T5Config')()
+    gin.clear_config()
+    gin.parse_config_file(str(CONFIGS / 'pairs' / 'multi30k.gin'))
+    paired = _scoped_config(f'multi30k_{role}')
+    for field in network.T5Config.__dataclass_fields__:
+      if field not in ignore:
+        assert getattr(paired, field) == getattr(trained, field), (role, field)
+    assert paired.dropout_rate == 0.0
+
+
+@pytest.mark.parametrize('name,fn,expect', [
+    ('baseline', 'temperature_sample', {'temperature': 0.0}),
+    ('speculative_greedy', 'speculative_sample', {'gamma': 4, 'temperature': 0.0}),
+    ('speculative_sampling', 'speculative_sample', {'temperature': 1.0, 'topk': 0}),
+    ('speculative_adaptive', 'speculative_sample', {'adaptive_gamma': True, 'gamma': 8}),
+    ('bild', 'bild_decode', {'fallback_threshold': 0.6, 'rollback_threshold': 5.0}),
+])
+def test_decoding_configs_bind_the_decoder(name, fn, expect):
+  gin.parse_config_file(str(CONFIGS / 'decoding' / f'{name}.gin'))
+  assert gin.query_parameter('models.EncoderDecoderModel.decode_fn').selector == f'decoding.{fn}'
+  for key, value in expect.items():
+    assert gin.query_parameter(f'decoding.{fn}.{key}') == value
+
+
+def test_infer_run_config_builds_the_multi30k_model():
+  gin.parse_config_files_and_bindings(
+      [str(CONFIGS / 'runs' / 'infer_multi30k.gin'),
+       str(CONFIGS / 'decoding' / 'speculative_greedy.gin')],
+      ["INFER_OUTPUT_DIR = '/tmp/unused'"])
+  for macro, value in (('MIXTURE_OR_TASK_NAME', 'multi30k_de_en'),
+                       ('TASK_FEATURE_LENGTHS', {'inputs': 64, 'targets': 64})):
+    assert gin.query_parameter(f'{macro}/macro.value') == value
+  assert 'TARGET_CHECKPOINT_PATH' in gin.config_str()
+  model = gin.query_parameter('infer_script.infer.model').scoped_configurable_fn()
+  assert model.target_config.num_decoder_layers == 6 and model.draft_config.num_decoder_layers == 1
+  assert model.uses_draft and model.eos_id == 1
+  fn = getattr(model.decode_fn, '__wrapped__', model.decode_fn)
+  assert fn is decoding.speculative_sample
+
+
+def test_base_infer_config_requires_its_macros():
+  with pytest.raises(ValueError, match='INFER_OUTPUT_DIR.*gin.REQUIRED'):
+    gin.parse_config_files_and_bindings([str(CONFIGS / 'runs' / 'infer.gin')], [])

@@ -1,0 +1,341 @@
+"""The infer job: outputs, summary, kill-and-resume, and one-line errors for bad input."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from speculative_t5x import checkpoints
+from speculative_t5x import decoding
+from speculative_t5x import infer
+from speculative_t5x import models
+from speculative_t5x import network
+from fast_params import random_params
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VOCAB = REPO / 'speculative_t5x' / 'vocab' / 'multi30k_8k.model'
+OTHER_VOCAB = REPO.parent / 'shared' / 'data' / 't5_vocab' / 'spiece.model'
+LINES = REPO.parent / 'shared' / 'data' / 'multi30k' / 'test_2016_flickr.de'
+
+TARGET = network.T5Config(vocab_size=8064, emb_dim=16, num_heads=2, head_dim=8,
+                          num_encoder_layers=1, num_decoder_layers=2, mlp_dim=32,
+                          mlp_activations=('gelu', 'linear'), dropout_rate=0.0)
+DRAFT = dataclasses.replace(TARGET, num_decoder_layers=1)
+
+_GIN = """
+include 'gin_configs/runs/infer.gin'
+include 'gin_configs/decoding/speculative_greedy.gin'
+{scoped}
+TARGET_CONFIG = @tiny_target/network.T5Config()
+DRAFT_CONFIG = @tiny_draft/network.T5Config()
+VOCABULARY = @vocabularies.SentencePieceVocabulary()
+vocabularies.SentencePieceVocabulary.sentencepiece_model_file = '{vocab}'
+TASK_FEATURE_LENGTHS = {{'inputs': 32, 'targets': 10}}
+TARGET_CHECKPOINT_PATH = '{ckpt}/target'
+DRAFT_CHECKPOINT_PATH = '{ckpt}/draft'
+infer_script.infer.batch_size = 2
+infer_script.infer.checkpoint_period = 1
+infer_script.infer.output_ids = True
+"""
+
+
+def _scoped(scope, config):
+  lines = []
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name == 'dtype':
+      value = str(value)
+    lines.append(f'{scope}/network.T5Config.{field.name} = {value!r}')
+  return '\n'.join(lines)
+
+
+@pytest.fixture(scope='module')
+def setup(tmp_path_factory):
+  """Tiny target and draft checkpoints, a gin file, and an input file of 12 lines."""
+  root = tmp_path_factory.mktemp('infer')
+  target = random_params(TARGET, 0)
+  draft = random_params(DRAFT, 1)
+  # Shared embedding and logits make the draft agree with the target sometimes.
+  draft['token_embedder'] = target['token_embedder']
+  draft['decoder']['logits_dense'] = target['decoder']['logits_dense']
+  checkpoints.save_params(root / 'target', target)
+  checkpoints.save_params(root / 'draft', draft)
+  gin_file = root / 'tiny.gin'
+  gin_file.write_text(_GIN.format(scoped=_scoped('tiny_target', TARGET) + '\n' +
+                                  _scoped('tiny_draft', DRAFT), vocab=VOCAB, ckpt=root))
+  lines = LINES.read_text(encoding='utf-8').splitlines()
+  (root / 'in.txt').write_text('\n'.join(lines[:12]) + '\n', encoding='utf-8')
+  return root
+
+
+def _cli(setup, output_dir, *extra, input_file=None, env=None, popen=False):
+  cmd = [sys.executable, '-m', 'speculative_t5x.infer', f'--gin_file={setup / "tiny.gin"}',
+         f"--gin.INFER_OUTPUT_DIR='{output_dir}'",
+         f"--gin.INPUT_FILE='{input_file or setup / 'in.txt'}'", *extra]
+  env = dict(os.environ, **(env or {}))
+  if popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _outputs(output_dir):
+  files = sorted(pathlib.Path(output_dir).glob('*.jsonl-00000-of-00001'))
+  assert len(files) == 1, files
+  return [json.loads(l) for l in files[0].read_text(encoding='utf-8').splitlines()]
+
+
+def _model(**kwargs):
+  vocab = infer.SentencePieceVocabulary(str(VOCAB))
+  args = dict(decode_fn=decoding.speculative_sample,
+              decode_kwargs={'gamma': 3, 'temperature': 0.0}, input_vocabulary=vocab,
+              output_vocabulary=vocab)
+  args.update(kwargs)
+  return models.EncoderDecoderModel(TARGET, DRAFT, **args)
+
+
+def _infer(setup, output_dir, input_file, **kwargs):
+  args = dict(model=_model(), output_dir=str(output_dir),
+              target_checkpoint_path=str(setup / 'target'),
+              draft_checkpoint_path=str(setup / 'draft'),
+              task_feature_lengths={'inputs': 32, 'targets': 10}, input_file=str(input_file),
+              batch_size=2, checkpoint_period=1, progress=False)
+  args.update(kwargs)
+  return infer.infer(**args)
+
+
+# ------------------------------------------------------------------------------------------------
+# A full run in-process: output shape, skipped and truncated inputs, summary, configs.
+
+
+def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
+  lines = LINES.read_text(encoding='utf-8').splitlines()[:5]
+  long_line = ' '.join(lines)  # far more than 32 tokens
+  text = '\n'.join([lines[0], '', long_line, '   ', lines[1], lines[2]]) + '\n'
+  source = tmp_path / 'in.tsv'
+  source.write_text('\n'.join(f'{l}\tref {i}' if l.strip() else l
+                              for i, l in enumerate(text.splitlines())) + '\n', encoding='utf-8')
+  summary = _infer(setup, tmp_path / 'out', source, output_ids=True)
+  records = _outputs(tmp_path / 'out')
+  # Lines 1 and 3 (0-based) are empty: skipped, counted, everything else once, in order.
+  assert [r['index'] for r in records] == [0, 2, 4, 5]
+  assert summary['skipped_empty'] == {'count': 2, 'indices': [1, 3]}
+  assert summary['truncated_inputs']['count'] == 1
+  assert summary['truncated_inputs']['indices'] == [2]
+  assert summary['truncated_inputs']['longest_input_tokens'] > 32
+  first = records[0]
+  assert first['inputs'] == {'inputs_pretokenized': lines[0], 'targets_pretokenized': 'ref 0'}
+  assert isinstance(first['prediction'], str)
+  assert 0 < len(first['prediction_tokens']) <= 10
+  stats = first['aux']['stats']
+  assert stats['emitted'] >= 1 and stats['target_calls'] >= 1
+  assert summary['examples'] == 4
+  total_emitted = sum(r['aux']['stats']['emitted'] for r in records)
+  total_calls = sum(r['aux']['stats']['target_calls'] for r in records)
+  assert summary['tokens_per_target_call'] == pytest.approx(total_emitted / total_calls)
+  assert summary['alpha'] == pytest.approx(
+      sum(r['aux']['stats']['accepted'] for r in records) /
+      sum(r['aux']['stats']['proposed'] for r in records))
+  for key in ('sentences_per_second', 'tokens_per_second', 'wall_seconds', 'compile_seconds'):
+    assert summary[key] > 0, key
+  assert summary['config']['decode_fn'] == 'speculative_sample'
+  assert summary['config']['target']['num_decoder_layers'] == 2
+  assert (tmp_path / 'out' / 'config.gin').exists()
+  assert (tmp_path / 'out' / 'operative_config.gin').exists()
+  # The speculative output is the target's greedy output: check against plain decoding.
+  baseline = _infer(setup, tmp_path / 'base', source,
+                    model=_model(decode_fn=decoding.temperature_sample,
+                                 decode_kwargs={'temperature': 0.0}))
+  assert baseline['config']['draft'] is None
+  assert [r['prediction'] for r in _outputs(tmp_path / 'base')] == [
+      r['prediction'] for r in records]
+  # A second call finds the completed output and does nothing.
+  again = _infer(setup, tmp_path / 'out', source, output_ids=True)
+  assert again == json.loads(next((tmp_path / 'out').glob('*.summary.json')).read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# Kill and resume.
+
+
+def test_sigkill_and_resume_equals_uninterrupted_run(setup, tmp_path):
+  lines = LINES.read_text(encoding='utf-8').splitlines()[:120]
+  source = tmp_path / 'many.txt'
+  source.write_text('\n'.join(lines) + '\n', encoding='utf-8')
+  # A persistent compilation cache spares the second and third runs the compile.
+  env = {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'jax_cache'),
+         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  killed_dir = tmp_path / 'killed'
+  proc = _cli(setup, killed_dir, input_file=source, env=env, popen=True)
+  tmp_dir = killed_dir / 'tmp-many.txt-00000-of-00001'
+  deadline = time.time() + 300
+  while time.time() < deadline and len(list(tmp_dir.glob('chunk*-process00000.jsonl'))) < 3:
+    if proc.poll() is not None:
+      break
+    time.sleep(0.02)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  committed = len(list(tmp_dir.glob('chunk*.jsonl')))
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+  assert 3 <= committed < 60, committed
+  assert not list(killed_dir.glob('*.COMPLETED'))
+
+  resumed = _cli(setup, killed_dir, input_file=source, env=env)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  summary = json.loads(next(killed_dir.glob('*.summary.json')).read_text())
+  assert summary['resumed_chunks'] >= 3
+  full_dir = tmp_path / 'full'
+  full = _cli(setup, full_dir, input_file=source, env=env)
+  assert full.returncode == 0, full.stderr[-2000:]
+  got, want = _outputs(killed_dir), _outputs(full_dir)
+  assert [r['index'] for r in got] == list(range(120))
+  assert got == want
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes joined by jax.distributed (CPU collectives) = one process.
+
+
+def test_two_processes_merge_to_the_single_process_output(setup, tmp_path):
+  import socket
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'jax_cache'),
+         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0', 'JAX_PLATFORMS': 'cpu'}
+  multi = tmp_path / 'multi'
+  procs = [_cli(setup, multi, f'--coordinator_address=localhost:{port}', '--process_count=2',
+                f'--process_index={i}', env=env, popen=True) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  # Each process wrote its own rows of every chunk; process 0 merged them.
+  tmp_dir = multi / 'tmp-in.txt-00000-of-00001'
+  assert len(list(tmp_dir.glob('chunk*-process00001.jsonl'))) == 6
+  single = _cli(setup, tmp_path / 'single', env=env)
+  assert single.returncode == 0, single.stderr[-3000:]
+  got, want = _outputs(multi), _outputs(tmp_path / 'single')
+  assert [r['index'] for r in got] == list(range(12))
+  assert got == want
+  summary = json.loads(next(multi.glob('*.summary.json')).read_text())
+  assert summary['config']['processes'] == 2 and summary['config']['devices'] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one line on stderr, exit status 1, no traceback.
+
+
+def _assert_one_line_error(proc, *fragments):
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in errors[0], errors[0]
+  return errors[0]
+
+
+def test_cli_undecodable_bytes(setup, tmp_path):
+  bad = tmp_path / 'bad.txt'
+  bad.write_bytes(b'Ein Hund.\nEin \xff\xfe Mann.\n')
+  _assert_one_line_error(_cli(setup, tmp_path / 'out', input_file=bad),
+                         'bad.txt:2', 'not UTF-8', 'byte 4')
+
+
+def test_cli_unknown_and_missing_gin_bindings(setup, tmp_path):
+  _assert_one_line_error(_cli(setup, tmp_path / 'o1', '--gin.infer_script.infer.bogus=1'),
+                         "doesn't have a parameter named 'bogus'")
+  _assert_one_line_error(_cli(setup, tmp_path / 'o2', '--gin.nonexistent.thing=1'),
+                         "No configurable matching 'nonexistent'")
+  _assert_one_line_error(_cli(setup, tmp_path / 'o3', '--gin.TARGET_CONFIG=%gin.REQUIRED'),
+                         'TARGET_CONFIG')
+
+
+def test_cli_draft_eos_mismatch(setup, tmp_path):
+  _assert_one_line_error(
+      _cli(setup, tmp_path / 'out', '--gin.models.EncoderDecoderModel.draft_eos_id=2'),
+      'EOS ids differ', 'target eos_id 1, draft eos_id 2')
+
+
+def test_cli_unwritable_output_dir(setup, tmp_path):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  _assert_one_line_error(_cli(setup, blocker / 'out'), 'not writable', str(blocker / 'out'))
+
+
+def test_cli_checkpoint_config_mismatch(setup, tmp_path):
+  _assert_one_line_error(
+      _cli(setup, tmp_path / 'out', '--gin.tiny_target/network.T5Config.num_heads=4'),
+      'target checkpoint', 'does not match T5Config', 'mis-shaped')
+
+
+# In-process variants of the remaining checks (no subprocess start-up).
+
+
+def test_draft_vocabulary_mismatch(setup, tmp_path):
+  if not OTHER_VOCAB.exists():
+    pytest.skip('no second vocabulary available')
+  model = _model(draft_output_vocabulary=infer.SentencePieceVocabulary(str(OTHER_VOCAB)))
+  with pytest.raises(infer.InferError, match='draft and target vocabularies differ'):
+    _infer(setup, tmp_path / 'out', setup / 'in.txt', model=model)
+
+
+def test_draft_vocab_size_mismatch(setup, tmp_path):
+  with pytest.raises(ValueError, match='vocabularies differ: target vocab_size 8064, draft '
+                                       'vocab_size 8192'):
+    models.EncoderDecoderModel(TARGET, dataclasses.replace(DRAFT, vocab_size=8192), eos_id=1)
+
+
+def test_draft_checkpoint_mismatch(setup, tmp_path):
+  with pytest.raises(infer.InferError, match='draft checkpoint: checkpoint does not match'):
+    _infer(setup, tmp_path / 'out', setup / 'in.txt', draft_checkpoint_path=str(setup / 'target'))
+
+
+def test_missing_checkpoint_and_input(setup, tmp_path):
+  with pytest.raises(infer.InferError, match='target checkpoint not found'):
+    _infer(setup, tmp_path / 'o1', setup / 'in.txt', target_checkpoint_path='/nonexistent/x')
+  with pytest.raises(infer.InferError, match='input file not found'):
+    _infer(setup, tmp_path / 'o2', tmp_path / 'missing.txt')
+  with pytest.raises(infer.InferError, match='exactly one of MIXTURE_OR_TASK_NAME'):
+    _infer(setup, tmp_path / 'o3', setup / 'in.txt', mixture_or_task_name='multi30k_de_en')
+
+
+def test_read_input_formats(tmp_path):
+  jsonl = tmp_path / 'x.jsonl'
+  jsonl.write_text('{"inputs": "a b", "targets": "c"}\n\n{"inputs": "d"}\n', encoding='utf-8')
+  report = infer.InputReport()
+  examples = infer.read_input_file(jsonl, report=report)
+  assert [(e.index, e.inputs, e.targets) for e in examples] == [(0, 'a b', 'c'), (2, 'd', None)]
+  assert report.skipped_empty == [1]
+  jsonl.write_text('{"inputs": "a"}\n{"inputs": 3}\n', encoding='utf-8')
+  with pytest.raises(infer.InferError, match=r'x.jsonl:2: a JSON object with a string "inputs"'):
+    infer.read_input_file(jsonl)
+  jsonl.write_text('{"inputs": "a"\n', encoding='utf-8')
+  with pytest.raises(infer.InferError, match=r'x.jsonl:1: invalid JSON'):
+    infer.read_input_file(jsonl)
+  crlf = tmp_path / 'y.txt'
+  crlf.write_bytes('Grüße\r\nzwei\r\n'.encode('utf-8'))
+  assert [e.inputs for e in infer.read_input_file(crlf)] == ['Grüße', 'zwei']
+
+
+def test_changed_config_does_not_mix_with_partial_run(setup, tmp_path):
+  out = tmp_path / 'out'
+  tmp_dir = out / 'tmp-in.txt-00000-of-00001'
+  tmp_dir.mkdir(parents=True)
+  (tmp_dir / 'run_key').write_text('0123456789abcdef')
+  with pytest.raises(infer.InferError, match='partial run with a different config'):
+    _infer(setup, out, setup / 'in.txt')
+
+
+def test_rewrite_gin_args():
+  assert infer.rewrite_gin_args(['prog', '--gin.A=1', '--gin_file=x', "--gin.b.c='d=e'"]) == [
+      'prog', '--gin_bindings=A = 1', '--gin_file=x', "--gin_bindings=b.c = 'd=e'"]
+  with pytest.raises(infer.InferError, match='expected --gin.NAME=VALUE'):
+    infer.rewrite_gin_args(['--gin.A'])
