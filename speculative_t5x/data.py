@@ -1,0 +1,339 @@
+"""Multi30k data: the project's SentencePiece vocabulary, seqio tasks and a TensorFlow-free path.
+
+Two ways to the same examples:
+
+  * seqio (T5X's way): `register_tasks()` registers `multi30k_de_en` and `multi30k_en_de` with
+    splits train / validation / test (test = test_2016_flickr), features `inputs` / `targets`
+    tokenized with `get_vocabulary()` and EOS appended, and sacrebleu BLEU as the metric, so
+    `MIXTURE_OR_TASK_NAME = 'multi30k_de_en'` works in T5X gin files (import
+    `speculative_t5x.tasks` there). seqio pulls in TensorFlow, so it is imported only inside the
+    functions that need it.
+  * plain Python (`load_split`, `tokenize_pairs`, `PackedBatches`, `pad_batch`): numpy only, used
+    by `speculative_t5x.train` so that CPU training does not depend on tf.data.
+
+Both tokenize identically: SentencePiece ids of the raw line, truncated to leave room for EOS (1),
+then EOS; padding is 0 (T5 conventions, no BOS).
+
+The Multi30k data is for non-commercial research and education (Elliott et al. 2016, Multi30K);
+models trained on it inherit that restriction.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+PAD_ID = 0
+EOS_ID = 1
+UNK_ID = 2
+
+VOCAB_PATH = Path(__file__).resolve().parent / 'vocab' / 'multi30k_8k.model'
+DATA_ENV_VAR = 'SPECULATIVE_T5X_DATA'
+
+# Split name -> file stem in multi30k/. seqio/TFDS call the dev split 'validation'.
+SPLIT_FILES = {
+    'train': 'train',
+    'validation': 'val',
+    'val': 'val',
+    'test': 'test_2016_flickr',
+    'test_2016_flickr': 'test_2016_flickr',
+}
+LANGUAGE_PAIRS = {'multi30k_de_en': ('de', 'en'), 'multi30k_en_de': ('en', 'de')}
+
+
+def default_data_dir() -> Path:
+  """The shared data folder: $SPECULATIVE_T5X_DATA, else `<repo>/../shared/data`."""
+  env = os.environ.get(DATA_ENV_VAR)
+  if env:
+    return Path(env)
+  return Path(__file__).resolve().parents[2] / 'shared' / 'data'
+
+
+def multi30k_dir(data_dir: Optional[os.PathLike] = None) -> Path:
+  """The `multi30k/` folder under `data_dir` (default `default_data_dir()`)."""
+  return Path(data_dir if data_dir is not None else default_data_dir()) / 'multi30k'
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary.
+
+
+def train_vocabulary(data_dir: Optional[os.PathLike] = None, model_prefix: str = '/tmp/multi30k_8k',
+                     vocab_size: int = 8000) -> str:
+  """Trains the unigram SentencePiece model on train.de + train.en; returns the .model path.
+
+  This is how `vocab/multi30k_8k.model` was made (pad 0, EOS 1, UNK 2, no BOS, as T5). Full
+  character coverage so German umlauts and ß never become UNK.
+  """
+  import sentencepiece as spm
+  root = multi30k_dir(data_dir)
+  spm.SentencePieceTrainer.train(
+      input=f'{root / "train.de"},{root / "train.en"}', model_prefix=model_prefix,
+      model_type='unigram', vocab_size=vocab_size, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+      bos_id=-1, character_coverage=1.0, input_sentence_size=0, shuffle_input_sentence=False,
+      num_threads=2, minloglevel=2)
+  return model_prefix + '.model'
+
+
+@functools.lru_cache(maxsize=None)
+def get_sentencepiece(path: str = str(VOCAB_PATH)):
+  """The project vocabulary as a `sentencepiece.SentencePieceProcessor` (no TensorFlow)."""
+  import sentencepiece as spm
+  return spm.SentencePieceProcessor(model_file=str(path))
+
+
+def get_vocabulary(path: str = str(VOCAB_PATH)):
+  """The project vocabulary as a `seqio.SentencePieceVocabulary` (no extra ids: 8000 pieces)."""
+  import seqio  # pylint: disable=g-import-not-at-top  (seqio imports TensorFlow)
+  return seqio.SentencePieceVocabulary(str(path), extra_ids=0)
+
+
+def vocab_size(path: str = str(VOCAB_PATH)) -> int:
+  return get_sentencepiece(path).get_piece_size()
+
+
+def padded_vocab_size(path: str = str(VOCAB_PATH), multiple: int = 128) -> int:
+  """The model's vocab_size: the vocabulary rounded up to a multiple of 128, as T5 does."""
+  return -(-vocab_size(path) // multiple) * multiple
+
+
+def encode(texts: Sequence[str], max_length: Optional[int] = None,
+           path: str = str(VOCAB_PATH)) -> List[List[int]]:
+  """Token ids with EOS appended, truncated (before EOS) to fit `max_length` as seqio does."""
+  sp = get_sentencepiece(path)
+  out = []
+  for ids in sp.encode(list(texts)):
+    if max_length is not None:
+      ids = ids[:max_length - 1]
+    out.append(ids + [EOS_ID])
+  return out
+
+
+def decode(ids: Sequence[Sequence[int]], path: str = str(VOCAB_PATH)) -> List[str]:
+  """Text of each row of ids, cut at the first EOS; padding and ids past the vocabulary dropped."""
+  sp = get_sentencepiece(path)
+  size = sp.get_piece_size()
+  texts = []
+  for row in ids:
+    row = [int(t) for t in row]
+    if EOS_ID in row:
+      row = row[:row.index(EOS_ID)]
+    texts.append(sp.decode([t for t in row if UNK_ID <= t < size]))
+  return texts
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain-Python examples.
+
+
+def load_split(split: str, source: str = 'de', target: str = 'en',
+               data_dir: Optional[os.PathLike] = None) -> Tuple[List[str], List[str]]:
+  """(source lines, target lines) of a Multi30k split ('train', 'validation', 'test')."""
+  root = multi30k_dir(data_dir)
+  stem = SPLIT_FILES[split]
+  src = (root / f'{stem}.{source}').read_text(encoding='utf-8').splitlines()
+  tgt = (root / f'{stem}.{target}').read_text(encoding='utf-8').splitlines()
+  if len(src) != len(tgt):
+    raise ValueError(f'{stem}.{source} has {len(src)} lines but {stem}.{target} has {len(tgt)}.')
+  return src, tgt
+
+
+def tokenize_pairs(sources: Sequence[str], targets: Sequence[str], max_input_length: int,
+                   max_target_length: int) -> Tuple[List[List[int]], List[List[int]]]:
+  """Both sides tokenized with EOS, as the seqio tasks do."""
+  return encode(sources, max_input_length), encode(targets, max_target_length)
+
+
+def pad_batch(inputs: Sequence[Sequence[int]], targets: Optional[Sequence[Sequence[int]]],
+              max_input_length: int, max_target_length: int,
+              batch_size: Optional[int] = None) -> Dict[str, np.ndarray]:
+  """One unpacked batch in T5X's feature names, padded to fixed shapes.
+
+  Returns encoder_input_tokens [batch, max_input_length], and with targets decoder_input_tokens /
+  decoder_target_tokens / decoder_loss_weights [batch, max_target_length]. Rows beyond
+  len(inputs) (up to `batch_size`) are all padding, with zero loss weight, so a short last batch
+  keeps the compiled shape.
+  """
+  n = len(inputs) if batch_size is None else batch_size
+  enc = np.zeros((n, max_input_length), np.int32)
+  for i, ids in enumerate(inputs):
+    enc[i, :len(ids)] = ids[:max_input_length]
+  batch = {'encoder_input_tokens': enc}
+  if targets is not None:
+    tgt = np.zeros((n, max_target_length), np.int32)
+    for i, ids in enumerate(targets):
+      tgt[i, :len(ids)] = ids[:max_target_length]
+    dec_in = np.zeros_like(tgt)
+    dec_in[:, 1:] = tgt[:, :-1]  # Shifted right; position 0 holds the BOS id 0.
+    batch.update(decoder_input_tokens=dec_in, decoder_target_tokens=tgt,
+                 decoder_loss_weights=(tgt > 0).astype(np.float32))
+  return batch
+
+
+def pack_examples(inputs: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                  order: np.ndarray, max_input_length: int, max_target_length: int,
+                  open_rows: int = 16) -> List[List[int]]:
+  """Groups examples (in `order`) into rows whose inputs and targets both fit their lengths.
+
+  Multi30k sentences are ~15 tokens, so packing ~4 per 64-token row is what makes CPU training
+  affordable (T5X packs too). Greedy first-fit over the last `open_rows` rows: deterministic
+  given `order`. Returns lists of example indices, one per row.
+  """
+  rows: List[List[int]] = []
+  used: List[Tuple[int, int]] = []
+  first_open = 0
+  for idx in order:
+    li, lt = len(inputs[idx]), len(targets[idx])
+    for r in range(first_open, len(rows)):
+      if used[r][0] + li <= max_input_length and used[r][1] + lt <= max_target_length:
+        rows[r].append(int(idx))
+        used[r] = (used[r][0] + li, used[r][1] + lt)
+        break
+    else:
+      rows.append([int(idx)])
+      used.append((li, lt))
+      first_open = max(0, len(rows) - open_rows)
+  return rows
+
+
+def packed_batch(inputs: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                 rows: Sequence[Sequence[int]], max_input_length: int,
+                 max_target_length: int) -> Dict[str, np.ndarray]:
+  """Packed T5X features for `rows` (lists of example indices); every array [rows, length].
+
+  Segment ids (1, 2, ... per example, 0 = padding) keep examples from attending to each other;
+  decoder inputs are shifted right within each segment, so each example starts from BOS 0.
+  """
+  n = len(rows)
+  enc = np.zeros((n, max_input_length), np.int32)
+  enc_seg = np.zeros_like(enc)
+  tgt = np.zeros((n, max_target_length), np.int32)
+  dec_in = np.zeros_like(tgt)
+  dec_seg = np.zeros_like(tgt)
+  for r, row in enumerate(rows):
+    pi = pt = 0
+    for s, idx in enumerate(row, start=1):
+      a, b = inputs[idx], targets[idx]
+      enc[r, pi:pi + len(a)] = a
+      enc_seg[r, pi:pi + len(a)] = s
+      tgt[r, pt:pt + len(b)] = b
+      dec_in[r, pt + 1:pt + len(b)] = b[:-1]
+      dec_seg[r, pt:pt + len(b)] = s
+      pi += len(a)
+      pt += len(b)
+  return {'encoder_input_tokens': enc, 'encoder_segment_ids': enc_seg,
+          'decoder_input_tokens': dec_in, 'decoder_target_tokens': tgt,
+          'decoder_segment_ids': dec_seg, 'decoder_loss_weights': (tgt > 0).astype(np.float32)}
+
+
+class PackedBatches:
+  """Deterministic, resumable packed training batches: the position is (epoch, batch_in_epoch).
+
+  Each epoch shuffles the examples with `seed + epoch`, packs them, and yields `batch_size` rows
+  at a time; the last incomplete batch of an epoch is dropped so every batch has the same shape
+  (no recompilation). Restoring `state` reproduces the same batches an uninterrupted run sees.
+  """
+
+  def __init__(self, inputs: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+               batch_size: int, max_input_length: int, max_target_length: int, seed: int = 0,
+               pack: bool = True):
+    self.inputs, self.targets = inputs, targets
+    self.batch_size = batch_size
+    self.max_input_length, self.max_target_length = max_input_length, max_target_length
+    self.seed, self.pack = seed, pack
+    self.epoch, self.batch_in_epoch = 0, 0
+    self._rows: Optional[List[List[int]]] = None
+    self._rows_epoch = -1
+
+  @property
+  def state(self) -> Dict[str, int]:
+    return {'epoch': self.epoch, 'batch_in_epoch': self.batch_in_epoch}
+
+  def set_state(self, state: Dict[str, int]) -> None:
+    self.epoch, self.batch_in_epoch = int(state['epoch']), int(state['batch_in_epoch'])
+
+  def _epoch_rows(self) -> List[List[int]]:
+    if self._rows_epoch != self.epoch:
+      order = np.random.default_rng(self.seed + self.epoch).permutation(len(self.inputs))
+      if self.pack:
+        self._rows = pack_examples(self.inputs, self.targets, order, self.max_input_length,
+                                   self.max_target_length)
+      else:
+        self._rows = [[int(i)] for i in order]
+      self._rows_epoch = self.epoch
+    return self._rows
+
+  def batches_per_epoch(self) -> int:
+    return len(self._epoch_rows()) // self.batch_size
+
+  def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    rows = self._epoch_rows()
+    if (self.batch_in_epoch + 1) * self.batch_size > len(rows):
+      self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+      rows = self._epoch_rows()
+    start = self.batch_in_epoch * self.batch_size
+    chosen = rows[start:start + self.batch_size]
+    self.batch_in_epoch += 1
+    return packed_batch(self.inputs, self.targets, chosen, self.max_input_length,
+                        self.max_target_length)
+
+
+def corpus_bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
+  """sacrebleu corpus BLEU (13a tokenization, as sacrebleu's default) of detokenized text."""
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+  return float(sacrebleu.corpus_bleu(list(predictions), [list(references)]).score)
+
+
+# ------------------------------------------------------------------------------------------------
+# seqio tasks.
+
+
+def bleu_metric(targets: Sequence[str], predictions: Sequence[str]) -> Dict[str, float]:
+  """seqio metric_fn: {'bleu': sacrebleu corpus BLEU}."""
+  return {'bleu': corpus_bleu(predictions, targets)}
+
+
+def _pair_dataset_fn(source: str, target: str, data_dir: Optional[os.PathLike]):
+  """A seqio FunctionDataSource dataset_fn zipping the two line-aligned files of a split."""
+
+  def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None):
+    del shuffle_files, seed  # One file per language and split: nothing to shuffle.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    root = multi30k_dir(data_dir)
+    stem = SPLIT_FILES[split]
+    src = tf.data.TextLineDataset(str(root / f'{stem}.{source}'))
+    tgt = tf.data.TextLineDataset(str(root / f'{stem}.{target}'))
+    return tf.data.Dataset.zip((src, tgt)).map(lambda s, t: {'inputs': s, 'targets': t})
+
+  return dataset_fn
+
+
+def register_tasks(data_dir: Optional[os.PathLike] = None, overwrite: bool = True) -> List[str]:
+  """Registers `multi30k_de_en` and `multi30k_en_de` in seqio's TaskRegistry; returns the names."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  vocabulary = get_vocabulary()
+  features = {
+      'inputs': seqio.Feature(vocabulary=vocabulary, add_eos=True),
+      'targets': seqio.Feature(vocabulary=vocabulary, add_eos=True),
+  }
+  names = []
+  for name, (source, target) in LANGUAGE_PAIRS.items():
+    if overwrite and name in seqio.TaskRegistry.names():
+      seqio.TaskRegistry.remove(name)
+    seqio.TaskRegistry.add(
+        name,
+        source=seqio.FunctionDataSource(
+            _pair_dataset_fn(source, target, data_dir),
+            splits=('train', 'validation', 'test')),
+        preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim],
+        output_features=features,
+        metric_fns=[bleu_metric])
+    names.append(name)
+  return names

@@ -1,0 +1,113 @@
+"""Tests of the Multi30k vocabulary, tokenization, packing and seqio tasks (speculative_t5x.data)."""
+
+import importlib.util
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from speculative_t5x import data
+
+
+def _data_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get(
+      'SPECULATIVE_T5X_DATA',
+      pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'))
+
+
+@pytest.fixture
+def multi30k() -> pathlib.Path:
+  path = _data_dir()
+  if not (path / 'multi30k' / 'val.de').exists():
+    pytest.skip(f'Multi30k not found under {path} (set SPECULATIVE_T5X_DATA).')
+  return path
+
+
+def test_vocabulary_follows_t5_conventions():
+  sp = data.get_sentencepiece()
+  assert sp.get_piece_size() == 8000
+  assert (sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id()) == (0, 1, 2, -1)
+  assert data.padded_vocab_size() == 8064
+  assert data.VOCAB_PATH.stat().st_size < 1_000_000
+
+
+def test_vocabulary_round_trips_text():
+  texts = ['Zwei junge Männer stehen vor einem Gebäude und lächeln.',
+           'A little girl in a pink dress is climbing stairs.',
+           'Ein Mann mit Hut überquert die Straße, während es regnet.']
+  ids = data.encode(texts)
+  assert all(row[-1] == data.EOS_ID and data.EOS_ID not in row[:-1] for row in ids)
+  assert all(min(row) > data.PAD_ID for row in ids)
+  assert data.decode(ids) == texts
+
+
+def test_truncation_keeps_eos():
+  (row,) = data.encode(['ein ' * 100], max_length=8)
+  assert len(row) == 8 and row[-1] == data.EOS_ID
+
+
+def test_validation_split_round_trips(multi30k):
+  sources, targets = data.load_split('validation', 'de', 'en', multi30k)
+  assert len(sources) == len(targets) == 1014
+  for lines in (sources, targets):
+    decoded = data.decode(data.encode(lines))
+    same = np.mean([a == b.strip() for a, b in zip(decoded, lines)])
+    # SentencePiece's NFKC normalisation may rewrite a rare character; nothing else may change.
+    assert same > 0.99, same
+  test_sources, _ = data.load_split('test', 'de', 'en', multi30k)
+  assert len(test_sources) == 1000
+
+
+def test_packing_keeps_examples_separate():
+  inputs = [[5, 6, 1], [7, 1], [8, 9, 10, 1], [11, 1]]
+  targets = [[20, 1], [21, 22, 1], [23, 1], [24, 25, 26, 27, 1]]
+  rows = data.pack_examples(inputs, targets, np.arange(4), 8, 8)
+  assert sorted(i for row in rows for i in row) == [0, 1, 2, 3]
+  batch = data.packed_batch(inputs, targets, rows, 8, 8)
+  assert batch['encoder_input_tokens'].shape == (len(rows), 8)
+  row0 = rows[0]
+  assert row0[:2] == [0, 1]
+  np.testing.assert_array_equal(batch['decoder_target_tokens'][0, :5], [20, 1, 21, 22, 1])
+  # Each segment's decoder input starts from BOS 0 and is its own targets shifted right.
+  np.testing.assert_array_equal(batch['decoder_input_tokens'][0, :5], [0, 20, 0, 21, 22])
+  np.testing.assert_array_equal(batch['decoder_segment_ids'][0, :5], [1, 1, 2, 2, 2])
+  np.testing.assert_array_equal(batch['encoder_segment_ids'][0, :5], [1, 1, 1, 2, 2])
+  for key in ('encoder_input_tokens', 'decoder_target_tokens'):
+    for r in range(len(rows)):
+      assert np.all((batch[key][r] > 0) == (batch[key.replace('input', 'segment').replace(
+          'target', 'segment').replace('_tokens', '_ids')][r] > 0))
+
+
+def test_packed_batches_resume_to_the_same_stream():
+  rng = np.random.default_rng(0)
+  inputs = [list(rng.integers(3, 50, rng.integers(1, 6))) + [1] for _ in range(40)]
+  targets = [list(rng.integers(3, 50, rng.integers(1, 6))) + [1] for _ in range(40)]
+  a = data.PackedBatches(inputs, targets, 2, 16, 16, seed=3)
+  stream = [next(a) for _ in range(12)]  # Crosses epoch boundaries.
+  b = data.PackedBatches(inputs, targets, 2, 16, 16, seed=3)
+  for _ in range(5):
+    next(b)
+  c = data.PackedBatches(inputs, targets, 2, 16, 16, seed=3)
+  c.set_state(b.state)
+  for expected in stream[5:]:
+    got = next(c)
+    for key in expected:
+      np.testing.assert_array_equal(got[key], expected[key])
+
+
+@pytest.mark.skipif(importlib.util.find_spec('seqio') is None, reason='seqio is not installed.')
+def test_seqio_tasks(multi30k):
+  import seqio  # pylint: disable=g-import-not-at-top
+  names = data.register_tasks(multi30k)
+  assert set(names) == {'multi30k_de_en', 'multi30k_en_de'}
+  task = seqio.get_mixture_or_task('multi30k_de_en')
+  vocab = task.output_features['targets'].vocabulary
+  assert vocab.vocab_size == 8000 and vocab.eos_id == 1
+  ex = next(task.get_dataset(None, split='validation', shuffle=False).as_numpy_iterator())
+  sources, targets = data.load_split('validation', 'de', 'en', multi30k)
+  np.testing.assert_array_equal(ex['inputs'], data.encode(sources[:1])[0])
+  np.testing.assert_array_equal(ex['targets'], data.encode(targets[:1])[0])
+  test = task.get_dataset(None, split='test', shuffle=False)
+  assert sum(1 for _ in test) == 1000
+  assert task.metric_fns[0](targets[:5], targets[:5])['bleu'] == pytest.approx(100.0)

@@ -1,0 +1,150 @@
+"""Tests of training, resumption and distillation (speculative_t5x.train) on tiny configs."""
+
+import json
+import os
+import pathlib
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from speculative_t5x import data
+from speculative_t5x import network
+from speculative_t5x import train as train_lib
+
+LENGTH = 16
+
+
+def _data_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get(
+      'SPECULATIVE_T5X_DATA',
+      pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'))
+
+
+@pytest.fixture
+def multi30k() -> pathlib.Path:
+  path = _data_dir()
+  if not (path / 'multi30k' / 'train.de').exists():
+    pytest.skip(f'Multi30k not found under {path} (set SPECULATIVE_T5X_DATA).')
+  return path
+
+
+@pytest.fixture(autouse=True)
+def _no_gin():
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def _tiny_config(**overrides) -> network.T5Config:
+  values = dict(vocab_size=data.padded_vocab_size(), emb_dim=16, num_heads=2, head_dim=8,
+                num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32,
+                mlp_activations=('gelu', 'linear'), dropout_rate=0.1, logits_via_embedding=True)
+  values.update(overrides)
+  return network.T5Config(**values)
+
+
+def _run(model_dir, data_dir, steps, **overrides):
+  kwargs = dict(model_dir=str(model_dir), config=_tiny_config(), data_dir=str(data_dir),
+                max_input_length=LENGTH, max_target_length=LENGTH, batch_size=4,
+                num_train_steps=steps, learning_rate_scale=0.1, warmup_steps=1, log_every=1,
+                checkpoint_every=2, eval_every=0, final_eval_splits=(), max_train_examples=200)
+  kwargs.update(overrides)
+  return train_lib.train(**kwargs)
+
+
+def _losses(model_dir):
+  lines = (pathlib.Path(model_dir) / 'metrics.jsonl').read_text().splitlines()
+  return [json.loads(l)['cross_entropy'] for l in lines if '"loss"' in l]
+
+
+def test_schedule_is_t5x_rsqrt():
+  schedule = train_lib.rsqrt_schedule(1.0, 100)
+  assert float(schedule(0)) == pytest.approx(0.1)
+  assert float(schedule(100)) == pytest.approx(0.1)
+  assert float(schedule(400)) == pytest.approx(0.05)
+
+
+def test_z_loss_and_label_smoothing():
+  logits = jnp.array([[[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]]])
+  targets = jnp.array([[0, 2]])
+  weights = jnp.array([[1.0, 0.0]])
+  loss, metrics = train_lib.cross_entropy_with_z_loss(logits, targets, weights, z_loss=1e-4)
+  log_z = jax.nn.logsumexp(logits[0, 0])
+  assert float(loss) == pytest.approx(float(log_z - 2.0 + 1e-4 * log_z**2), rel=1e-6)
+  assert float(metrics['tokens']) == 1.0
+  # A perfect prediction of the smoothed distribution has zero smoothed loss.
+  smooth = 0.1
+  probs = jnp.array([1 - smooth, smooth / 2, smooth / 2])
+  perfect = jnp.log(probs)[None, None]
+  loss, _ = train_lib.cross_entropy_with_z_loss(perfect, jnp.array([[0]]), jnp.array([[1.0]]),
+                                                0.0, smooth)
+  assert float(loss) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_training_decreases_loss_and_resumes_exactly(multi30k, tmp_path):
+  full = _run(tmp_path / 'full', multi30k, 6)
+  losses = _losses(tmp_path / 'full')
+  assert len(losses) == 6
+  assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1, losses
+  # A run stopped at step 3 (as if killed after its checkpoint) and restarted ends in the same
+  # state: params, optimizer slots, step, and (through the data position) the same batches.
+  _run(tmp_path / 'resumed', multi30k, 3, checkpoint_every=3)
+  resumed = _run(tmp_path / 'resumed', multi30k, 6)
+  assert int(resumed['state']['step']) == int(full['state']['step']) == 6
+  for a, b in zip(jax.tree_util.tree_leaves(full['state']),
+                  jax.tree_util.tree_leaves(resumed['state'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  assert _losses(tmp_path / 'resumed')[3:] == pytest.approx(losses[3:], rel=1e-6)
+
+
+def _reference_greedy(config, params, tokens, max_length):
+  """Greedy decoding by repeated full (uncached, teacher-forced) forward passes."""
+  forward = jax.jit(network.Transformer(config).apply)
+  enc = jnp.asarray(data.pad_batch([tokens], None, LENGTH, LENGTH)['encoder_input_tokens'])
+  out = []
+  for _ in range(max_length):
+    dec_in = jnp.asarray([[0] + out + [0] * (max_length - 1 - len(out))], jnp.int32)
+    logits = forward({'params': params}, enc, dec_in, jnp.ones_like(dec_in))
+    out.append(int(jnp.argmax(logits[0, len(out)])))
+    if out[-1] == data.EOS_ID:
+      break
+  return out
+
+
+def test_sequence_distillation_data_is_the_teachers_greedy_output(multi30k, tmp_path):
+  teacher_config = _tiny_config(dropout_rate=0.0, num_decoder_layers=2)
+  params, _ = network.init_params(teacher_config, jax.random.PRNGKey(1))
+  weights = tmp_path / 'teacher.msgpack'
+  train_lib.export_weights(params, teacher_config, weights)
+  loaded_config, loaded, _ = train_lib.load_weights(weights)
+  assert loaded_config == teacher_config
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(loaded))
+
+  cache = tmp_path / 'distill.npz'
+  _run(tmp_path / 'draft', multi30k, 1, distillation='sequence', teacher=str(weights),
+       distillation_cache=str(cache), max_train_examples=24, eval_batch_size=8)
+  cached = np.load(cache)
+  sources, _ = data.load_split('train', 'de', 'en', multi30k)
+  inputs = data.encode(sources[:24], LENGTH)
+  for i, tokens in enumerate(inputs[:6]):
+    expected = _reference_greedy(loaded_config, loaded, tokens, LENGTH)
+    if expected[-1] != data.EOS_ID:
+      expected = expected[:LENGTH - 1] + [data.EOS_ID]
+    assert cached['tokens'][i, :cached['lengths'][i]].tolist() == expected
+  # The cache is reused as is.
+  again = train_lib.sequence_distillation_targets(loaded_config, loaded, inputs, LENGTH, LENGTH,
+                                                  cache)
+  assert again == [cached['tokens'][i, :n].tolist() for i, n in enumerate(cached['lengths'])]
+
+
+def test_token_distillation_runs(multi30k, tmp_path):
+  teacher_config = _tiny_config(dropout_rate=0.0)
+  params, _ = network.init_params(teacher_config, jax.random.PRNGKey(2))
+  weights = tmp_path / 'teacher.msgpack'
+  train_lib.export_weights(params, teacher_config, weights)
+  _run(tmp_path / 'draft', multi30k, 1, distillation='token', teacher=str(weights), kd_weight=0.5)
+  records = [json.loads(l) for l in (tmp_path / 'draft' / 'metrics.jsonl').read_text().splitlines()]
+  assert all(np.isfinite(r['kd_loss']) and r['kd_loss'] >= 0 for r in records if 'kd_loss' in r)
