@@ -22,7 +22,9 @@ setuptools.setup(
         'tqdm>=4.60',
     ],
     extras_require={
-        'test': ['pytest>=7.0', 'scipy>=1.10'],
+        'test': ['pytest>=7.0', 'scipy>=1.10', 'sacrebleu>=2.0'],
+        # seqio tasks (imports TensorFlow; the core modules never do) and BLEU.
+        'data': ['seqio>=0.0.18', 'tensorflow-cpu>=2.13', 'sacrebleu>=2.0'],
         # Hugging Face folders: safetensors are read without these; pytorch_model.bin needs
         # torch, and the logit-parity tests build models with transformers.
         'hf': ['torch>=2.0', 'transformers>=4.30'],

@@ -35,7 +35,7 @@ output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import flax
 import jax
@@ -329,7 +329,8 @@ def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, f
 def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
                        target_fn: TokensToLogits, draft_cache: Any,
                        draft_fn: Optional[TokensToLogits], rng: Array,
-                       max_decode_steps: Optional[int]) -> Tuple[Array, Array, DecodeStats]:
+                       max_decode_steps: Optional[Union[int, Array]]
+                       ) -> Tuple[Array, Array, DecodeStats]:
   """Runs the decode; returns (decodes [batch, L], log_prob [batch], stats). See module doc."""
   batch, max_len = inputs.shape
   gamma = cfg.gamma
@@ -503,13 +504,15 @@ def expand_cache(cache: Any, beam_size: int, offset: int = 0) -> Any:
 def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,
             draft_cache: Any, draft_tokens_to_logits: Optional[TokensToLogits],
             decode_rng: Optional[Array], num_decodes: int, cache_offset: int,
-            max_decode_steps: Optional[int], return_stats: bool):
+            max_decode_steps: Optional[Union[int, Array]], return_stats: bool):
   """Expands for num_decodes, runs the loop, sorts by log-prob ascending (best last)."""
-  if max_decode_steps is not None and max_decode_steps > inputs.shape[1]:
+  if isinstance(max_decode_steps, int) and max_decode_steps > inputs.shape[1]:
     raise ValueError(f'max_decode_steps ({max_decode_steps}) exceeds the sequence length '
                      f'({inputs.shape[1]}).')
   batch = inputs.shape[0]
   rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
+  if jnp.ndim(max_decode_steps) == 1:  # per-row limits, T5X allows a [batch] array
+    max_decode_steps = flat_batch_beam_expand(max_decode_steps, num_decodes)
   decodes, log_prob, stats = _draft_verify_loop(
       cfg, flat_batch_beam_expand(inputs, num_decodes),
       expand_cache(cache, num_decodes, cache_offset), tokens_to_logits,
@@ -546,7 +549,7 @@ def temperature_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
     raise NotImplementedError('initial_index (prefilled caches) is not supported; pass the '
                               'prompt through `inputs` instead.')
   if max_decode_steps is not None and max_decode_steps_hard_limit:
-    max_decode_steps = min(max_decode_steps, max_decode_steps_hard_limit)
+    max_decode_steps = jnp.minimum(max_decode_steps, max_decode_steps_hard_limit)
   cfg = _LoopConfig(gamma=0, rule=speculative_rule(), temperature=float(temperature),
                     topk=topk, topp=topp, rescale_log_probs=rescale_log_probs,
                     confidence_threshold=0.0, adaptive_gamma=False, eos_id=eos_id)

@@ -158,8 +158,15 @@ class EncoderDecoderModel:
         inputs=inputs, eos_id=self.eos_id, num_decodes=num_decodes, decode_rng=rng,
         cache=self._init_cache(self.module, params['target'], encoder_input_tokens, max_length),
         tokens_to_logits=make_tokens_to_logits(self.module, params['target']))
-    wants_stats = 'return_stats' in inspect.signature(
-        getattr(self.decode_fn, 'func', self.decode_fn)).parameters
+    signature = inspect.signature(getattr(self.decode_fn, 'func', self.decode_fn)).parameters
+    wants_stats = 'return_stats' in signature
+    if 'max_decode_steps' in signature:
+      # Rows that are all padding (the filler of a fixed-shape last batch) decode nothing, so
+      # they cannot keep the batch's loop running.
+      steps = kwargs.get('max_decode_steps')
+      steps = max_length if steps is None else steps
+      empty = ~jnp.any(encoder_input_tokens > 0, axis=1)
+      kwargs['max_decode_steps'] = jnp.where(empty, 0, steps)
     if wants_stats:
       kwargs['return_stats'] = True
     if self.uses_draft:

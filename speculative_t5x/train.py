@@ -2,7 +2,7 @@ r"""Training and draft distillation for T5 on Multi30k, in T5X's style, with opt
 
   python -m speculative_t5x.train \
     --gin_file=gin_configs/train/multi30k_target.gin \
-    --gin.train.model_dir="'/work/runs/target'"
+    --gin.train.model_dir="'runs/target'"
 
 What follows T5X: optax Adafactor with T5X's defaults (decay_rate 0.8, step offset 0, factored
 second moments, parameter-scaled updates, update clipping 1.0, no momentum); the rsqrt learning
