@@ -24,6 +24,15 @@ def t5x_data() -> pathlib.Path:
   return path
 
 
+@pytest.fixture
+def multi30k() -> pathlib.Path:
+  """The data folder holding multi30k/ (train, val, test_2016_flickr)."""
+  path = data_dir()
+  if not (path / 'multi30k' / 'train.de').exists():
+    pytest.skip(f'Multi30k not found under {path} (set SPECULATIVE_T5X_DATA).')
+  return path
+
+
 def tiny_config(**overrides) -> network.T5Config:
   values = dict(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=1,
                 num_decoder_layers=2, mlp_dim=32, mlp_activations=('gelu', 'linear'),

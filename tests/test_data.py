@@ -1,27 +1,11 @@
 """Tests of the Multi30k vocabulary, tokenization, packing and seqio tasks (speculative_t5x.data)."""
 
 import importlib.util
-import os
-import pathlib
 
 import numpy as np
 import pytest
 
 from speculative_t5x import data
-
-
-def _data_dir() -> pathlib.Path:
-  return pathlib.Path(os.environ.get(
-      'SPECULATIVE_T5X_DATA',
-      pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'))
-
-
-@pytest.fixture
-def multi30k() -> pathlib.Path:
-  path = _data_dir()
-  if not (path / 'multi30k' / 'val.de').exists():
-    pytest.skip(f'Multi30k not found under {path} (set SPECULATIVE_T5X_DATA).')
-  return path
 
 
 def test_vocabulary_follows_t5_conventions():

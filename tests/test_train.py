@@ -1,7 +1,6 @@
 """Tests of training, resumption and distillation (speculative_t5x.train) on tiny configs."""
 
 import json
-import os
 import pathlib
 
 import gin
@@ -15,20 +14,6 @@ from speculative_t5x import network
 from speculative_t5x import train as train_lib
 
 LENGTH = 16
-
-
-def _data_dir() -> pathlib.Path:
-  return pathlib.Path(os.environ.get(
-      'SPECULATIVE_T5X_DATA',
-      pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'))
-
-
-@pytest.fixture
-def multi30k() -> pathlib.Path:
-  path = _data_dir()
-  if not (path / 'multi30k' / 'train.de').exists():
-    pytest.skip(f'Multi30k not found under {path} (set SPECULATIVE_T5X_DATA).')
-  return path
 
 
 @pytest.fixture(autouse=True)
