@@ -17,12 +17,24 @@ from speculative_t5x import decoding
 from speculative_t5x import infer
 from speculative_t5x import models
 from speculative_t5x import network
+from conftest import data_dir
 from fast_params import random_params
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = REPO / 'speculative_t5x' / 'vocab' / 'multi30k_8k.model'
-OTHER_VOCAB = REPO.parent / 'shared' / 'data' / 't5_vocab' / 'spiece.model'
-LINES = REPO.parent / 'shared' / 'data' / 'multi30k' / 'test_2016_flickr.de'
+OTHER_VOCAB = data_dir() / 't5_vocab' / 'spiece.model'
+LINES = data_dir() / 'multi30k' / 'test_2016_flickr.de'
+
+
+def _german_lines(n):
+  """n input lines: Multi30k test sentences, or generated ones where the data is absent."""
+  if LINES.exists():
+    return LINES.read_text(encoding='utf-8').splitlines()[:n]
+  subjects = ['Ein Mann', 'Eine Frau', 'Zwei Kinder', 'Ein Hund', 'Drei Männer', 'Ein Mädchen']
+  verbs = ['läuft über', 'sitzt auf', 'spielt neben', 'steht vor', 'schaut auf']
+  places = ['der Straße', 'einem Boot', 'dem Gras', 'einer Mauer', 'dem Markt', 'dem Wasser']
+  return [f'{subjects[i % 6]} {verbs[i % 5]} {places[(i // 5) % 6]} Nummer {i}.'
+          for i in range(n)]
 
 TARGET = network.T5Config(vocab_size=8064, emb_dim=16, num_heads=2, head_dim=8,
                           num_encoder_layers=1, num_decoder_layers=2, mlp_dim=32,
@@ -70,8 +82,7 @@ def setup(tmp_path_factory):
   gin_file = root / 'tiny.gin'
   gin_file.write_text(_GIN.format(scoped=_scoped('tiny_target', TARGET) + '\n' +
                                   _scoped('tiny_draft', DRAFT), vocab=VOCAB, ckpt=root))
-  lines = LINES.read_text(encoding='utf-8').splitlines()
-  (root / 'in.txt').write_text('\n'.join(lines[:12]) + '\n', encoding='utf-8')
+  (root / 'in.txt').write_text('\n'.join(_german_lines(12)) + '\n', encoding='utf-8')
   return root
 
 
@@ -116,7 +127,7 @@ def _infer(setup, output_dir, input_file, **kwargs):
 
 
 def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
-  lines = LINES.read_text(encoding='utf-8').splitlines()[:5]
+  lines = _german_lines(5)
   long_line = ' '.join(lines)  # far more than 32 tokens
   text = '\n'.join([lines[0], '', long_line, '   ', lines[1], lines[2]]) + '\n'
   source = tmp_path / 'in.tsv'
@@ -166,7 +177,7 @@ def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
 
 
 def test_sigkill_and_resume_equals_uninterrupted_run(setup, tmp_path):
-  lines = LINES.read_text(encoding='utf-8').splitlines()[:120]
+  lines = _german_lines(120)
   source = tmp_path / 'many.txt'
   source.write_text('\n'.join(lines) + '\n', encoding='utf-8')
   # A persistent compilation cache spares the second and third runs the compile.
