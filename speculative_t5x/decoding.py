@@ -511,7 +511,7 @@ def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: Token
                      f'({inputs.shape[1]}).')
   batch = inputs.shape[0]
   rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
-  if jnp.ndim(max_decode_steps) == 1:  # per-row limits, T5X allows a [batch] array
+  if max_decode_steps is not None and jnp.ndim(max_decode_steps) == 1:  # per-row, as T5X allows
     max_decode_steps = flat_batch_beam_expand(max_decode_steps, num_decodes)
   decodes, log_prob, stats = _draft_verify_loop(
       cfg, flat_batch_beam_expand(inputs, num_decodes),
