@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import pytest
 
 from speculative_t5x import checkpoints

@@ -7,7 +7,6 @@ import pytest
 from flax import traverse_util
 
 from speculative_t5x import checkpoints
-from speculative_t5x import network
 from conftest import tiny_config
 from fast_params import random_params
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
