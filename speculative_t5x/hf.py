@@ -1,17 +1,21 @@
-"""Hugging Face T5 weights (a local `save_pretrained` folder) as a T5Config and a T5X params tree.
+"""Hugging Face T5 <-> T5X: HF folders as (T5Config, params), and (T5Config, params) as HF folders.
 
-A folder holds `config.json` and the weights as `model.safetensors`, sharded
-`model-xxxxx-of-yyyyy.safetensors` (+ `model.safetensors.index.json`) or `pytorch_model.bin`.
-Safetensors files are read here with numpy alone (bfloat16 through ml_dtypes, which JAX ships);
-only `pytorch_model.bin` needs torch (`pip install speculative_t5x[hf]`).
+Reading (`load_hf_t5`): a local `save_pretrained` folder with `config.json` and the weights as
+`model.safetensors`, sharded `model-xxxxx-of-yyyyy.safetensors` (+ `model.safetensors.index.json`)
+or `pytorch_model.bin`. Safetensors files are read here with numpy alone (bfloat16 through
+ml_dtypes, which JAX ships); only `pytorch_model.bin` needs torch
+(`pip install speculative_t5x[hf]`).
+Writing (`save_hf_t5`, `hf_config_from`, `hf_state_dict_from`) needs numpy alone too; `to_hf_model`
+builds the `transformers.T5ForConditionalGeneration` in memory (torch + transformers).
 
-Mapping (HF `T5ForConditionalGeneration` -> T5X `network.Transformer`): `torch.nn.Linear`
-stores `[out, in]`, T5X kernels are `[in, out]`, so every projection is transposed; the
-relative-attention table `[buckets, heads]` of block 0 becomes `relpos_bias/rel_embedding`
-`[heads, buckets]`; HF's T5 does not scale queries by 1/sqrt(d) either, and with tied embeddings
-scales the decoder output by d_model**-0.5 as T5X's `logits_via_embedding` does, so no value
-changes besides transposition. HF's `feed_forward_proj` 'gated-gelu' (gelu_new, the tanh GELU
-that flax's `nn.gelu` computes) is T5 1.1's ('gelu', 'linear'); 'relu' is T5 1.0's ('relu',).
+Mapping (HF `T5ForConditionalGeneration` <-> T5X `network.Transformer`, one table, `_hf_names`):
+`torch.nn.Linear` stores `[out, in]`, T5X kernels are `[in, out]`, so every projection is
+transposed; the relative-attention table `[buckets, heads]` of block 0 becomes
+`relpos_bias/rel_embedding` `[heads, buckets]`; HF's T5 does not scale queries by 1/sqrt(d) either,
+and with tied embeddings scales the decoder output by d_model**-0.5 as T5X's `logits_via_embedding`
+does, so no value changes besides transposition. HF's `feed_forward_proj` 'gated-gelu' (gelu_new,
+the tanh GELU that flax's `nn.gelu` computes) is T5 1.1's ('gelu', 'linear'); 'relu' is T5 1.0's
+('relu',).
 """
 
 from __future__ import annotations
@@ -253,3 +257,174 @@ def convert_hf_weights(weights: Dict[str, np.ndarray], config: network.T5Config,
   from speculative_t5x import checkpoints  # pylint: disable=g-import-not-at-top  (cycle)
   checkpoints.validate_params(params, config, source)
   return params
+
+
+# ------------------------------------------------------------------------------------------------
+# T5X -> Hugging Face.
+
+_FEED_FORWARD_PROJ = {('gelu', 'linear'): 'gated-gelu', ('relu',): 'relu',
+                      ('silu', 'linear'): 'gated-silu'}
+_DENSE_ACT_FN = {'gated-gelu': 'gelu_new', 'relu': 'relu', 'gated-silu': 'silu'}
+_LOGITS_KERNEL = ('decoder', 'logits_dense', 'kernel')
+# The ids every T5 vocabulary (and data.py's) uses; generation starts from pad.
+_PAD_ID, _EOS_ID = 0, 1
+
+
+def hf_config_from(config: network.T5Config) -> Dict[str, Any]:
+  """The HF `config.json` dict of `config`.
+
+  ValueError unless mlp_activations are T5 1.1's, T5 1.0's or ('silu', 'linear') (HF's plain
+  'gelu' is the erf GELU; flax's is the tanh one).
+
+  Both conventions for the output layer are written: transformers < 5 reads
+  `tie_word_embeddings` as 'share and scale by d_model**-0.5'; transformers >= 5 always shares
+  (unless the weights file has a different `lm_head.weight`) and reads the scaling from
+  `scale_decoder_outputs` (see `_scales_decoder_output`). T5X's `logits_via_embedding` is both;
+  its absence is an own, unscaled `lm_head`.
+  """
+  proj = _FEED_FORWARD_PROJ.get(tuple(config.mlp_activations))
+  if proj is None:
+    raise ValueError(f'mlp_activations {tuple(config.mlp_activations)} have no Hugging Face T5 '
+                     f'feed_forward_proj (supported: {sorted(_FEED_FORWARD_PROJ)})')
+  tied = bool(config.logits_via_embedding)
+  return {
+      'architectures': ['T5ForConditionalGeneration'],
+      'model_type': 't5',
+      'vocab_size': config.vocab_size,
+      'd_model': config.emb_dim,
+      'd_kv': config.head_dim,
+      'd_ff': config.mlp_dim,
+      'num_layers': config.num_encoder_layers,
+      'num_decoder_layers': config.num_decoder_layers,
+      'num_heads': config.num_heads,
+      'relative_attention_num_buckets': network.RELPOS_NUM_BUCKETS,
+      'relative_attention_max_distance': network.RELPOS_MAX_DISTANCE,
+      'feed_forward_proj': proj,
+      'dense_act_fn': _DENSE_ACT_FN[proj],
+      'is_gated_act': proj.startswith('gated-'),
+      'layer_norm_epsilon': 1e-6,  # network.RMSNorm's
+      'dropout_rate': 0.0,
+      'initializer_factor': 1.0,
+      'is_encoder_decoder': True,
+      'use_cache': True,
+      'pad_token_id': _PAD_ID,
+      'eos_token_id': _EOS_ID,
+      # T5 has no BOS; without this generate() has no first decoder token.
+      'decoder_start_token_id': _PAD_ID,
+      'tie_word_embeddings': tied,
+      'scale_decoder_outputs': tied,
+      # The weights are written in float32 whatever config.dtype (the activation dtype) says.
+      'dtype': 'float32',
+  }
+
+
+def hf_state_dict_from(config: network.T5Config, params: Params) -> Dict[str, np.ndarray]:
+  """The tensors HF's `save_pretrained` would write: HF name -> float32 numpy array.
+
+  `params`: the T5X tree of `config`, jax or numpy leaves of any float dtype.
+  Kernels `[in, out]` become `[out, in]` and `rel_embedding` `[heads, buckets]` becomes
+  `[buckets, heads]`. Without `logits_via_embedding`, `logits_dense/kernel` `[emb, vocab]` is
+  `lm_head.weight` `[vocab, emb]`, unscaled. Names HF ties to `shared.weight`
+  (`encoder/decoder.embed_tokens.weight`, and `lm_head.weight` when tied) are left out, as HF
+  leaves them out of its files; `to_hf_model` fills them in for `load_state_dict`.
+  Raises the one-line ValueError of `checkpoints.validate_params` if params do not fit config.
+  """
+  from speculative_t5x import checkpoints  # pylint: disable=g-import-not-at-top  (cycle)
+  checkpoints.validate_params(params, config, 'T5X params exported to Hugging Face')
+  flat = traverse_util.flatten_dict(params)
+
+  def as_f32(x, transpose: bool) -> np.ndarray:
+    # A copy: writable and contiguous (torch.from_numpy wants both; jax arrays come read-only),
+    # and never an alias of the caller's buffer.
+    x = np.asarray(x)
+    return np.array(x.T if transpose else x, dtype=np.float32, order='C')
+
+  out = {hf: as_f32(flat[path], transpose) for path, (hf, transpose) in _hf_names(config).items()}
+  if not config.logits_via_embedding:
+    out['lm_head.weight'] = as_f32(flat[_LOGITS_KERNEL], True)
+  return out
+
+
+def write_safetensors(file: os.PathLike, tensors: Dict[str, np.ndarray],
+                      metadata: Optional[Dict[str, str]] = None) -> None:
+  """Writes numpy arrays as a .safetensors file (the layout `read_safetensors` reads).
+
+  Layout: u64 little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}
+  padded with spaces so that the data starts 8-byte aligned, then the tensors' raw
+  little-endian bytes back to back in header order.
+  """
+  codes = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+  header: Dict[str, Any] = {'__metadata__': dict(metadata)} if metadata else {}
+  chunks, offset = [], 0
+  for name in sorted(tensors):
+    array = np.ascontiguousarray(tensors[name])
+    if array.dtype.byteorder == '>':
+      array = array.astype(array.dtype.newbyteorder('<'))
+    if array.dtype not in codes:
+      raise ValueError(f'{name}: dtype {array.dtype} has no safetensors code')
+    raw = array.tobytes()
+    header[name] = {'dtype': codes[array.dtype], 'shape': list(array.shape),
+                    'data_offsets': [offset, offset + len(raw)]}
+    chunks.append(raw)
+    offset += len(raw)
+  encoded = json.dumps(header, separators=(',', ':')).encode('utf-8')
+  encoded += b' ' * (-len(encoded) % 8)
+  with open(file, 'wb') as f:
+    f.write(struct.pack('<Q', len(encoded)))
+    f.write(encoded)
+    for raw in chunks:
+      f.write(raw)
+
+
+def save_hf_t5(path: os.PathLike, config: network.T5Config, params: Params) -> None:
+  """Writes `config.json` and `model.safetensors` (float32) to `path` (created if needed).
+
+  The folder loads with `transformers.T5ForConditionalGeneration.from_pretrained(path)` (no
+  missing or unexpected weights) and back with `load_hf_t5(path)` to the same params (as float32).
+  Without `logits_via_embedding`, transformers 5.x (5.24 checked) logs that it will "NOT tie"
+  `lm_head` to `shared` because both are in the file and differ: its T5Config forces
+  tie_word_embeddings=True, so every T5 1.1 checkpoint gets that message; the head is loaded.
+  """
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  tensors = hf_state_dict_from(config, params)
+  # No generation_config.json: without one, from_pretrained derives it from config.json, whose
+  # decoder_start/eos/pad ids are all greedy generate() needs.
+  (path / 'config.json').write_text(json.dumps(hf_config_from(config), indent=2, sort_keys=True)
+                                    + '\n')
+  # from_pretrained of transformers 4.x refuses safetensors files without format 'pt'.
+  write_safetensors(path / 'model.safetensors', tensors, metadata={'format': 'pt'})
+
+
+def to_hf_model(config: network.T5Config, params: Params):
+  """A float32 `transformers.T5ForConditionalGeneration` in eval mode with `params`' weights.
+
+  Needs torch and transformers (ImportError otherwise). Its logits equal
+  `network.Transformer(config).apply(...)`'s to float32 rounding, and its generation config
+  (from `hf_config_from`) starts decoding from id 0 and stops at id 1, as
+  `models.EncoderDecoderModel` does. With transformers 5.24, `generate()` of a decoder deeper
+  than the encoder needs `use_cache=False`: its cache is sized by `num_layers`, the encoder's.
+  """
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError('to_hf_model needs torch and transformers: '
+                      f"pip install 'speculative_t5x[hf]' ({e})") from e
+  tensors = hf_state_dict_from(config, params)
+  model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_config_from(config)))
+  if not config.logits_via_embedding:
+    # transformers >= 5 ties lm_head to shared.weight whatever tie_word_embeddings says (it
+    # unties only in from_pretrained, when the file's tensors differ); loading two different
+    # tensors into one shared Parameter would silently keep the last. Give lm_head its own.
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    tied = getattr(model, 'all_tied_weights_keys', None)
+    if isinstance(tied, dict):
+      tied.pop('lm_head.weight', None)  # so a later tie_weights() does not re-tie it
+  # state_dict() lists tied Parameters under every name they have; strict loading wants all.
+  aliases = _ALIASES + (('lm_head.weight',) if config.logits_via_embedding else ())
+  for name in model.state_dict():
+    if name in aliases and name not in tensors:
+      tensors[name] = tensors['shared.weight']
+  model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=True)
+  return model.float().eval()

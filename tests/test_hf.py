@@ -1,13 +1,18 @@
-"""Hugging Face T5 folders -> T5Config + params, compared logit for logit with transformers."""
+"""Hugging Face T5 folders <-> T5Config + params, compared logit for logit with transformers."""
 
 import json
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from speculative_t5x import checkpoints
+from speculative_t5x import decoding
 from speculative_t5x import hf
+from speculative_t5x import models
 from speculative_t5x import network
 
 torch = pytest.importorskip('torch')
@@ -106,3 +111,145 @@ def test_unsupported_and_incomplete_checkpoints(tmp_path):
   del weights['decoder.block.1.layer.2.DenseReluDense.wo.weight']
   with pytest.raises(ValueError, match='lacks decoder.block.1.layer.2.DenseReluDense.wo.weight'):
     hf.convert_hf_weights(weights, config)
+
+
+# ------------------------------------------------------------------------------------------------
+# T5X -> Hugging Face.
+
+_EXPORT_BASE = dict(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=2,
+                    num_decoder_layers=3, mlp_dim=32, mlp_activations=('gelu', 'linear'),
+                    dropout_rate=0.0)
+_EXPORT_VARIANTS = {
+    't5_1_1_untied': {},
+    't5_1_0_tied_relu': dict(mlp_activations=('relu',), logits_via_embedding=True),
+    'heads_times_head_dim_ne_emb': dict(num_heads=3, head_dim=4,
+                                        mlp_activations=('silu', 'linear')),
+}
+
+
+def _random_params(config, seed=0, spread=4.0):
+  """network.init_params with the embedding (and logits kernel) times `spread`.
+
+  Sharper output distributions than the init's, so a transposed or swapped tensor shows and
+  greedy choices have clear margins. Scaling every parameter instead makes the random network
+  so ill-conditioned that float32 itself (HF's as much as ours) drifts ~5e-5 from float64.
+  """
+  params, _ = network.init_params(config, jax.random.PRNGKey(seed))
+  params['token_embedder']['embedding'] = params['token_embedder']['embedding'] * spread
+  if not config.logits_via_embedding:
+    params['decoder']['logits_dense']['kernel'] = params['decoder']['logits_dense']['kernel'] * (
+        spread)
+  return params
+
+
+def test_hf_config_from():
+  untied = network.T5Config(**_EXPORT_BASE)
+  cfg = hf.hf_config_from(untied)
+  assert cfg['feed_forward_proj'] == 'gated-gelu' and cfg['dense_act_fn'] == 'gelu_new'
+  assert (cfg['num_layers'], cfg['num_decoder_layers'], cfg['d_kv'], cfg['d_ff']) == (2, 3, 8, 32)
+  assert not cfg['tie_word_embeddings'] and not cfg['scale_decoder_outputs']
+  tied = network.T5Config(**{**_EXPORT_BASE, 'mlp_activations': ('relu',),
+                             'logits_via_embedding': True})
+  cfg = hf.hf_config_from(tied)
+  assert cfg['feed_forward_proj'] == 'relu'
+  assert cfg['tie_word_embeddings'] and cfg['scale_decoder_outputs']
+  # transformers reads the dict back as the same model (its >= 5 T5Config always ties and
+  # takes the output scaling from scale_decoder_outputs), and so does config_from_hf.
+  for config in (untied, tied):
+    hf_config = transformers.T5Config(**hf.hf_config_from(config))
+    assert hf_config.scale_decoder_outputs == config.logits_via_embedding
+    assert hf.config_from_hf(hf_config.to_dict(),
+                             separate_lm_head=not config.logits_via_embedding) == config
+  with pytest.raises(ValueError, match=r"mlp_activations \('gelu',\) have no Hugging Face"):
+    hf.hf_config_from(network.T5Config(**{**_EXPORT_BASE, 'mlp_activations': ('gelu',)}))
+
+
+def test_hf_state_dict_from_any_dtype_and_bad_params():
+  config = network.T5Config(**_EXPORT_BASE)
+  params = _random_params(config)
+  as_bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  state = hf.hf_state_dict_from(config, as_bf16)
+  assert all(v.dtype == np.float32 and v.flags.c_contiguous for v in state.values())
+  kernel = params['decoder']['logits_dense']['kernel']
+  np.testing.assert_array_equal(state['lm_head.weight'],
+                                np.asarray(kernel.astype(jnp.bfloat16), np.float32).T)
+  assert state['encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight'].shape == (
+      network.RELPOS_NUM_BUCKETS, 2)
+  del params['decoder']['layers_2']
+  with pytest.raises(ValueError, match="parameter 'decoder/layers_2/.*' is missing"):
+    hf.hf_state_dict_from(config, params)
+
+
+def test_to_hf_model_without_transformers(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'transformers', None)  # makes `import transformers` fail
+  config = network.T5Config(**_EXPORT_BASE)
+  with pytest.raises(ImportError, match=r"pip install 'speculative_t5x\[hf\]'"):
+    hf.to_hf_model(config, {})
+
+
+@pytest.mark.parametrize('variant', list(_EXPORT_VARIANTS))
+def test_export_round_trip(tmp_path, variant):
+  config = network.T5Config(**{**_EXPORT_BASE, **_EXPORT_VARIANTS[variant]})
+  params = _random_params(config)
+
+  model = hf.to_hf_model(config, params)
+  assert not model.training
+  assert all(p.dtype == torch.float32 for p in model.parameters())
+  assert (model.lm_head.weight is model.shared.weight) == config.logits_via_embedding
+  _compare(model, config, params)
+
+  # numpy leaves work as well as jax ones.
+  hf.save_hf_t5(tmp_path, config, jax.tree_util.tree_map(np.asarray, params))
+  loaded, info = transformers.T5ForConditionalGeneration.from_pretrained(
+      tmp_path, output_loading_info=True)
+  assert {k: v for k, v in info.items() if v} == {}  # no missing/unexpected/mismatched weights
+  assert loaded.dtype == torch.float32
+  _compare(loaded.eval(), config, params)
+
+  config_back, params_back = hf.load_hf_t5(tmp_path)
+  assert config_back == config
+  flat, flat_back = (traverse_util.flatten_dict(p) for p in (params, params_back))
+  assert flat_back.keys() == flat.keys()
+  for path, value in flat.items():
+    np.testing.assert_array_equal(flat_back[path], np.asarray(value), err_msg='/'.join(path))
+
+
+def test_greedy_generate_matches_transformers():
+  # Equal layer counts: transformers 5.x sizes generate()'s decoder cache by num_layers (the
+  # encoder's) and fails with an IndexError when the decoder has more layers.
+  config = network.T5Config(**{**_EXPORT_BASE, 'vocab_size': 32, 'num_decoder_layers': 2})
+  # This seed's decodes vary by row and one row stops at EOS, so the alignment is exercised.
+  params = _random_params(config, seed=3)
+  rng = np.random.default_rng(0)
+  enc = rng.integers(2, 16, (4, 7))
+  enc[1, 5:] = 0
+  enc[2, 3:] = 0
+  length = 8
+
+  model = models.EncoderDecoderModel(config, config, decode_fn=decoding.temperature_sample,
+                                     decode_kwargs={'temperature': 0.0}, eos_id=1)
+  ours = np.asarray(jax.jit(model.predict_batch)(  # one compile: faster than eager loops
+      {'target': params, 'draft': params},
+      {'encoder_input_tokens': jnp.asarray(enc, jnp.int32),
+       'decoder_input_tokens': jnp.zeros((len(enc), length), jnp.int32)}))
+
+  hf_model = hf.to_hf_model(config, params)
+  with torch.no_grad():
+    generated = hf_model.generate(torch.tensor(enc), attention_mask=torch.tensor(enc > 0),
+                                  max_new_tokens=length, do_sample=False, num_beams=1).numpy()
+  # HF starts with decoder_start (0), stops all rows once each has EOS and pads with 0; ours
+  # has no start token and zeros after EOS.
+  assert (generated[:, 0] == 0).all()
+  theirs = np.zeros_like(ours)
+  theirs[:, :generated.shape[1] - 1] = generated[:, 1:]
+  np.testing.assert_array_equal(ours, theirs)
+  assert (ours == 1).any() and len({tuple(r) for r in ours}) > 1  # not a degenerate comparison
+
+  # Greedy choices with clear margins: float32 differences cannot flip them.
+  dec_in = np.concatenate([np.zeros((len(ours), 1), ours.dtype), ours[:, :-1]], axis=1)
+  logits = np.asarray(network.Transformer(config).apply(
+      {'params': params}, jnp.asarray(enc, jnp.int32), jnp.asarray(dec_in),
+      jnp.asarray(np.maximum(ours, 1))))  # targets only mask the decoder; keep all positions
+  top2 = np.sort(logits, axis=-1)[..., -2:]
+  before_eos = np.cumsum(ours == 1, axis=1) - (ours == 1) == 0
+  assert (top2[..., 1] - top2[..., 0])[before_eos].min() > 1e-3

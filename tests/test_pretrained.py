@@ -1,0 +1,109 @@
+"""The embedded Multi30k pair: speculative greedy equals target-only greedy, and HF parity."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import data_dir
+from speculative_t5x import data
+from speculative_t5x import decoding
+from speculative_t5x import models
+from speculative_t5x import train
+
+PRETRAINED = Path(data.__file__).resolve().parent / 'pretrained'
+LENGTH = 32  # input and output tokens
+# Used when ../shared/data is absent (a fresh clone); Multi30k-style captions.
+FALLBACK_SENTENCES = [
+    'Ein Mann fährt mit dem Fahrrad eine Straße entlang.',
+    'Zwei Hunde spielen im Schnee.',
+    'Eine Frau liest ein Buch auf einer Bank im Park.',
+    'Ein kleines Mädchen in einem roten Kleid läuft über das Gras.',
+    'Mehrere Menschen stehen vor einem Gebäude.',
+    'Ein Junge springt in einen See.',
+]
+
+
+@pytest.fixture(scope='module')
+def sentences():
+  lines = data_dir() / 'multi30k' / 'test_2016_flickr.de'
+  if lines.is_file():
+    return lines.read_text(encoding='utf-8').splitlines()[:6]
+  return FALLBACK_SENTENCES
+
+
+@pytest.fixture(scope='module')
+def pair():
+  """(target_config, draft_config, {'target': params, 'draft': params}) in float32."""
+  target_config, target_params, _ = train.load_weights(PRETRAINED / 'multi30k_de_en_target.msgpack')
+  draft_config, draft_params, _ = train.load_weights(PRETRAINED / 'multi30k_de_en_draft.msgpack')
+  return target_config, draft_config, {'target': target_params, 'draft': draft_params}
+
+
+def _batch(sentences):
+  # translate._batch fixes its lengths at 64; data.pad_batch is the same layout, any length.
+  batch = data.pad_batch(data.encode(sentences, LENGTH), None, LENGTH, LENGTH)
+  batch['decoder_input_tokens'] = np.zeros((len(sentences), LENGTH), np.int32)
+  return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _greedy(pair, batch, decode_fn, kwargs):
+  target_config, draft_config, params = pair
+  model = models.EncoderDecoderModel(target_config, draft_config, decode_fn=decode_fn,
+                                     decode_kwargs=kwargs, eos_id=data.EOS_ID)
+  return np.asarray(jax.jit(model.predict_batch)(params, batch))
+
+
+@pytest.fixture(scope='module')
+def target_greedy(pair, sentences):
+  return _greedy(pair, _batch(sentences), decoding.temperature_sample, {'temperature': 0.0})
+
+
+def test_speculative_greedy_equals_target_greedy(pair, sentences, target_greedy):
+  speculative = _greedy(pair, _batch(sentences), decoding.speculative_sample,
+                        {'temperature': 0.0, 'gamma': 4})
+  np.testing.assert_array_equal(speculative, target_greedy)
+  # Real translations, not an agreement on empty or runaway outputs.
+  assert target_greedy.shape == (6, LENGTH)
+  assert ((target_greedy > 1).any(axis=1)).all()
+  assert ((target_greedy == data.EOS_ID).any(axis=1)).all()
+  assert all(text.strip() for text in data.decode(target_greedy))
+
+
+def test_hf_export_of_target(pair, sentences, target_greedy):
+  torch = pytest.importorskip('torch')
+  pytest.importorskip('transformers')
+  from speculative_t5x import hf  # pylint: disable=g-import-not-at-top
+  from speculative_t5x import network  # pylint: disable=g-import-not-at-top
+
+  config, _, params = pair
+  enc = np.asarray(_batch(sentences[:3])['encoder_input_tokens'])
+  ours = target_greedy[:3]
+  model = hf.to_hf_model(config, params['target'])
+
+  # Teacher-forced logits on our greedy outputs, up to and including EOS (where nothing is
+  # padding, so both models see the same decoder positions).
+  dec_in = np.concatenate([np.zeros((3, 1), ours.dtype), ours[:, :-1]], axis=1)
+  logits = np.asarray(network.Transformer(config).apply(
+      {'params': params['target']}, jnp.asarray(enc), jnp.asarray(dec_in), jnp.asarray(ours)))
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(enc, dtype=torch.long),
+                   attention_mask=torch.tensor(enc > 0),
+                   decoder_input_ids=torch.tensor(dec_in, dtype=torch.long)).logits.numpy()
+  upto_eos = np.cumsum(ours == data.EOS_ID, axis=1) - (ours == data.EOS_ID) == 0
+  assert (ours[upto_eos] > 0).all()
+  scale = np.abs(theirs[upto_eos]).max()
+  np.testing.assert_allclose(logits[upto_eos], theirs[upto_eos], atol=1e-4 * scale, rtol=0)
+
+  # use_cache=False: transformers 5.x sizes generate()'s decoder cache by num_layers (the
+  # encoder's 5) and fails on this 6-layer decoder; without a cache it recomputes each prefix.
+  with torch.no_grad():
+    generated = model.generate(torch.tensor(enc, dtype=torch.long),
+                               attention_mask=torch.tensor(enc > 0), max_new_tokens=LENGTH,
+                               do_sample=False, num_beams=1, use_cache=False).numpy()
+  assert (generated[:, 0] == 0).all()
+  aligned = np.zeros_like(ours)
+  aligned[:, :generated.shape[1] - 1] = generated[:, 1:]
+  np.testing.assert_array_equal(aligned, ours)
