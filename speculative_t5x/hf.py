@@ -24,7 +24,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -403,7 +403,8 @@ def to_hf_model(config: network.T5Config, params: Params):
   `network.Transformer(config).apply(...)`'s to float32 rounding, and its generation config
   (from `hf_config_from`) starts decoding from id 0 and stops at id 1, as
   `models.EncoderDecoderModel` does. With transformers 5.24, `generate()` of a decoder deeper
-  than the encoder needs `use_cache=False`: its cache is sized by `num_layers`, the encoder's.
+  than the encoder needs a lazily grown cache (`cache=EncoderDecoderCache(DynamicCache(),
+  DynamicCache())`) or `use_cache=False`: the cache it builds has `num_layers`, the encoder's.
   """
   try:
     import torch  # pylint: disable=g-import-not-at-top

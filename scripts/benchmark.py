@@ -1,0 +1,505 @@
+"""Benchmarks the embedded Multi30k pair: target-only, speculative, BiLD and HF assisted generation.
+
+  python scripts/benchmark.py                       # the full grid (about an hour on 2 CPU cores)
+  python scripts/benchmark.py --quick               # a few configurations, a few sentences
+  python scripts/benchmark.py --out_dir results/cpu --sentences 1:100,8:200,32:320
+
+Everything runs in one process on test_2016_flickr (German -> English), from `--data_dir`
+(default: $SPECULATIVE_T5X_DATA or ../shared/data). For every batch size the same sentences, in
+file order, go through target-only decoding (the baseline), speculative decoding with
+gamma = 1..8 and adaptive gamma at temperature 0 and 1, and BiLD over a grid of
+(fallback, rollback) thresholds; at batch 1 also Hugging Face transformers' assisted generation
+on the same weights converted to T5ForConditionalGeneration (needs `pip install -e '.[hf]'`).
+
+Per configuration (see README "Benchmark" for the definitions): median wall time per sentence
+over `--repeats` passes (compilation excluded, reported as compile_s), speedup over the baseline
+of the same batch size and temperature, BLEU, alpha, accepted draft tokens and emitted tokens per
+target call, c = draft step / target step, the paper's predicted speedup
+(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), efficiency = measured / predicted, a step-cost
+prediction that charges the verify call its measured (gamma+1)-token cost, draft-step and
+verify-step times, and the extra arithmetic per token of Theorem 3.11,
+(1 - alpha)(gamma c_hat + gamma + 1) / (1 - alpha^(gamma+1)), with c_hat the FLOPs ratio.
+
+Writes <out_dir>/benchmark.json (rewritten after every configuration, so a killed run keeps what
+it measured), benchmark.md (the tables) and, with matplotlib, speedup_vs_gamma.png and
+acceptance_by_position.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speculative_t5x import data
+from speculative_t5x import decoding
+from speculative_t5x import models
+from speculative_t5x import network
+from speculative_t5x import train
+
+PRETRAINED = Path(__file__).resolve().parents[1] / 'speculative_t5x' / 'pretrained'
+INPUT_LENGTH = 64
+OUTPUT_LENGTH = 64
+BILD_FALLBACKS = (0.4, 0.6, 0.8)
+BILD_ROLLBACKS = (2.0, 3.0, 5.0)
+BILD_MAX_SMALL_STEPS = 10  # bild_decode's default, the paper's
+
+
+class Setting(NamedTuple):
+  """One decoding configuration of the grid."""
+  method: str                    # 'baseline', 'speculative' or 'bild'
+  temperature: float = 0.0
+  gamma: int = 0                 # speculative: (maximum) draft tokens per target call
+  adaptive: bool = False
+  fallback: float = 0.0          # bild
+  rollback: float = 0.0          # bild
+
+  @property
+  def name(self) -> str:
+    if self.method == 'baseline':
+      return f'target-only T={self.temperature:g}'
+    if self.method == 'bild':
+      return f'BiLD fb={self.fallback:g} rb={self.rollback:g}'
+    gamma = f'adaptive<={self.gamma}' if self.adaptive else f'gamma={self.gamma}'
+    return f'speculative {gamma} T={self.temperature:g}'
+
+  def decoder(self):
+    """(decode_fn, decode_kwargs) for models.EncoderDecoderModel."""
+    if self.method == 'baseline':
+      # topk=0: T5X's temperature_sample defaults to top-1, i.e. greedy even at temperature 1.
+      return decoding.temperature_sample, {'temperature': self.temperature, 'topk': 0}
+    if self.method == 'bild':
+      return decoding.bild_decode, {'fallback_threshold': self.fallback,
+                                    'rollback_threshold': self.rollback, 'temperature': 0.0}
+    return decoding.speculative_sample, {'temperature': self.temperature, 'gamma': self.gamma,
+                                         'adaptive_gamma': self.adaptive}
+
+
+def grid(quick: bool) -> List[Setting]:
+  if quick:
+    return [Setting('baseline'), Setting('speculative', gamma=4),
+            Setting('speculative', gamma=8, adaptive=True), Setting('bild', fallback=0.6,
+                                                                    rollback=5.0)]
+  settings = []
+  for temperature in (0.0, 1.0):
+    settings.append(Setting('baseline', temperature))
+    settings += [Setting('speculative', temperature, gamma) for gamma in range(1, 9)]
+    settings.append(Setting('speculative', temperature, 8, adaptive=True))
+  settings += [Setting('bild', fallback=f, rollback=r)
+               for f in BILD_FALLBACKS for r in BILD_ROLLBACKS]
+  return settings
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring.
+
+
+def median_seconds(fn, repeats: int) -> float:
+  """Median wall time of fn() (blocking on its result) after one warm-up call."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def step_times_ms(config: network.T5Config, params, batch: int, chunk_sizes: Sequence[int],
+                  position: int = 8, repeats: int = 20) -> Dict[int, float]:
+  """Median ms of one cached decode step appending k tokens per row, for k in chunk_sizes.
+
+  The cache holds `position` tokens of a 20-token input; the step is jitted on its own, so the
+  times include one dispatch that the decode loops (one while_loop per batch) do not pay.
+  """
+  module = network.Transformer(config)
+  encoder_tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, 20), 3, config.vocab_size)
+  encoded = module.apply({'params': params}, encoder_tokens, method=network.Transformer.encode)
+  cache = module.apply({'params': params}, encoded, encoder_tokens, OUTPUT_LENGTH,
+                       method=network.Transformer.init_cache)
+  cache = cache.with_index(jnp.full((batch,), position, jnp.int32))
+  step = jax.jit(lambda p, tokens, c: module.apply({'params': p}, tokens, c,
+                                                   method=network.Transformer.decode_step)[0])
+  return {k: 1e3 * median_seconds(lambda: step(params, jnp.full((batch, k), 5, jnp.int32), cache),
+                                  repeats)
+          for k in chunk_sizes}
+
+
+def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int) -> List[Dict[str, Any]]:
+  """Fixed-shape [batch_size, length] batches; the last is padded with all-zero rows."""
+  batches = []
+  for start in range(0, len(token_rows), batch_size):
+    tokens = np.zeros((batch_size, INPUT_LENGTH), np.int32)
+    for i, row in enumerate(token_rows[start:start + batch_size]):
+      tokens[i, :len(row)] = row
+    batches.append({'encoder_input_tokens': jnp.asarray(tokens),
+                    'decoder_input_tokens': jnp.zeros((batch_size, OUTPUT_LENGTH), jnp.int32)})
+  return batches
+
+
+def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
+                repeats: int, seed: int = 0) -> Dict[str, Any]:
+  """Compiles and times one setting over all batches; returns its decodes, stats and times."""
+  decode_fn, kwargs = setting.decoder()
+  model = models.EncoderDecoderModel(configs['target'], configs['draft'], decode_fn=decode_fn,
+                                     decode_kwargs=kwargs, eos_id=data.EOS_ID)
+  rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]
+  start = time.perf_counter()
+  predict = jax.jit(model.predict_batch_with_aux).lower(params, batches[0], rngs[0]).compile()
+  compile_s = time.perf_counter() - start
+
+  def one_pass():
+    return [predict(params, b, r) for b, r in zip(batches, rngs)]
+
+  outputs = jax.block_until_ready(one_pass())  # warm-up, and the outputs
+  passes = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(one_pass())
+    passes.append(time.perf_counter() - start)
+  decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
+  stats = {}
+  if 'stats' in outputs[0][1]:
+    stats = {k: np.concatenate([np.asarray(a['stats'][k]) for _, a in outputs])[:num_sentences]
+             for k in outputs[0][1]['stats']}
+  return {'decodes': decodes, 'stats': stats, 'compile_s': compile_s,
+          'ms_per_sentence': 1e3 * float(np.median(passes)) / num_sentences,
+          'pass_seconds': passes}
+
+
+def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
+  """Leviathan et al.'s expected walltime improvement (Theorem 3.8, cost model of section 3.4)."""
+  if alpha >= 1.0:
+    return (gamma + 1) / (gamma * c + 1)
+  return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def extra_arithmetic(alpha: float, gamma: float, c_hat: float) -> float:
+  """Theorem 3.11: operations per generated token relative to the baseline."""
+  if alpha >= 1.0:
+    return (gamma * c_hat + gamma + 1) / (gamma + 1)
+  return (1 - alpha) * (gamma * c_hat + gamma + 1) / (1 - alpha ** (gamma + 1))
+
+
+def summarize(setting: Setting, run: Dict[str, Any], baseline: Dict[str, Any],
+              steps: Dict[str, Dict[int, float]], c_hat: float,
+              references: Sequence[str]) -> Dict[str, Any]:
+  """The table row of one run (JSON-ready)."""
+  texts = data.decode(run['decodes'])
+  row = {'name': setting.name, **setting._asdict(),
+         'ms_per_sentence': run['ms_per_sentence'], 'compile_s': run['compile_s'],
+         'speedup': baseline['ms_per_sentence'] / run['ms_per_sentence'],
+         'bleu': data.corpus_bleu(texts, references),
+         'same_as_baseline': float(np.mean(np.all(run['decodes'] == baseline['decodes'], axis=1))),
+         'target_step_ms': steps['target'][1]}
+  s = run['stats']
+  if setting.method == 'baseline' or not s:
+    row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1) + 1))
+    return row
+  totals = {k: int(v.sum()) for k, v in s.items() if k != 'accepted_at'}
+  calls = max(totals['target_calls'], 1)
+  proposed, accepted = totals['proposed'], totals['accepted']
+  # The paper's alpha is the acceptance probability of a draft position that is reached (one
+  # after a rejection is not): every reached position ends in an acceptance or in a rejection,
+  # and a call has at most one rejection (counted in `rollbacks`).
+  alpha = accepted / max(accepted + totals['rollbacks'], 1)
+  row.update(totals=totals, alpha=alpha, accepted_fraction=accepted / max(proposed, 1),
+             accepted_per_call=accepted / calls,
+             tokens_per_call=int(s['emitted'].sum()) / calls,
+             draft_calls_per_target_call=int(s['draft_calls'].sum()) / calls,
+             tokens_per_sentence=float(np.mean(s['emitted'])),
+             fallbacks=int(s['fallbacks'].sum()), rollbacks=int(s['rollbacks'].sum()),
+             # P(the first i+1 proposals of a target call were all accepted), i = 0..gamma-1.
+             accepted_at=(s['accepted_at'].sum(axis=0) / calls).tolist())
+  # The verify chunk is always (static gamma) + 1 tokens wide; BiLD's gamma is max_small_steps.
+  verify_k = (setting.gamma if setting.method == 'speculative' else BILD_MAX_SMALL_STEPS) + 1
+  c = steps['draft'][1] / steps['target'][1]
+  row.update(c=c, c_hat=c_hat, draft_step_ms=steps['draft'][1],
+             verify_step_ms=steps['target'].get(verify_k))
+  if setting.method == 'speculative':
+    mean_gamma = proposed / calls if setting.adaptive else setting.gamma
+    prediction = predicted_speedup(alpha, mean_gamma, c)
+    row.update(gamma_mean=mean_gamma, predicted_speedup=prediction,
+               efficiency=row['speedup'] / prediction,
+               extra_arithmetic=extra_arithmetic(alpha, mean_gamma, c_hat))
+    if not setting.adaptive:
+      # The same expected tokens per call, but the verify call costs its measured k-token time.
+      # Each draft phase's first call feeds 2 tokens (see decoding._draft_phase).
+      tokens = row['tokens_per_call']
+      draft_calls = row['draft_calls_per_target_call']
+      cost = (steps['draft'][2] + (draft_calls - 1) * steps['draft'][1] +
+              steps['target'][verify_k])
+      row['step_cost_prediction'] = tokens * steps['target'][1] / cost
+  return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face assisted generation (PyTorch, batch 1).
+
+
+def hf_rows(configs, params, sentences: Sequence[str], references: Sequence[str],
+            our_greedy: np.ndarray, baseline_ms: float, repeats: int,
+            gammas: Sequence[int]) -> List[Dict[str, Any]]:
+  """Times HF greedy generation with and without `assistant_model`, one sentence at a time."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from transformers import cache_utils  # pylint: disable=g-import-not-at-top
+  from speculative_t5x import hf  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  target = hf.to_hf_model(configs['target'], params['target'])
+  draft = hf.to_hf_model(configs['draft'], params['draft'])
+  inputs = [torch.tensor([ids]) for ids in data.encode(sentences, INPUT_LENGTH)]
+
+  def generate(assistant=None):
+    outs = []
+    with torch.inference_mode():
+      for ids in inputs:
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              num_beams=1, max_new_tokens=OUTPUT_LENGTH,
+                              assistant_model=assistant,
+                              # A lazily grown cache: the one generate() builds has one layer
+                              # per *encoder* layer, too few for this deeper decoder.
+                              cache=cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(),
+                                                                    cache_utils.DynamicCache()))
+        outs.append(out[0, 1:].numpy())
+    return outs
+
+  rows = []
+  for name, assistant, schedule, tokens in (
+      [('HF greedy (no assistant)', None, None, None),
+       ('HF assisted, default schedule', draft, 'heuristic', 20)] +
+      [(f'HF assisted, constant gamma={g}', draft, 'constant', g) for g in gammas]):
+    if assistant is not None:
+      assistant.generation_config.num_assistant_tokens_schedule = schedule
+      assistant.generation_config.num_assistant_tokens = tokens
+    outs = generate(assistant)  # warm-up, and the outputs
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      generate(assistant)
+      times.append(time.perf_counter() - start)
+    decodes = np.zeros((len(outs), OUTPUT_LENGTH), np.int32)
+    for i, out in enumerate(outs):
+      decodes[i, :min(len(out), OUTPUT_LENGTH)] = out[:OUTPUT_LENGTH]
+    ms = 1e3 * float(np.median(times)) / len(sentences)
+    rows.append({'name': name, 'method': 'hf', 'batch_size': 1, 'ms_per_sentence': ms,
+                 'speedup': baseline_ms / ms,
+                 'bleu': data.corpus_bleu(data.decode(decodes), references),
+                 'same_as_baseline': float(np.mean(np.all(decodes == our_greedy, axis=1)))})
+  return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting.
+
+
+def _fmt(value, spec: str) -> str:
+  return '' if value is None else format(value, spec)
+
+
+def markdown(results: Dict[str, Any]) -> str:
+  """The results as Markdown tables, one per batch size, then HF's."""
+  lines = [f"# Benchmark: {results['meta']['description']}", '',
+           f"Command: `{results['meta']['command']}`", '',
+           f"Machine: {results['meta']['machine']}", '']
+  header = ('| configuration | ms/sentence | speedup | BLEU | same as greedy | alpha | '
+            'accepted/call | tokens/call | c | predicted | efficiency | step-cost pred. | '
+            'extra arith. | draft step ms | verify step ms | compile s |')
+  for batch_size, block in results['batches'].items():
+    lines += [f"## Batch {batch_size} ({block['num_sentences']} sentences, "
+              f"target 1-token step {block['step_ms']['target']['1']:.2f} ms, draft "
+              f"{block['step_ms']['draft']['1']:.2f} ms)", '', header,
+              '|' + '---|' * (header.count('|') - 1)]
+    for r in block['rows']:
+      lines.append('| ' + ' | '.join([
+          r['name'], _fmt(r['ms_per_sentence'], '.1f'), _fmt(r['speedup'], '.2f') + 'x',
+          _fmt(r['bleu'], '.2f'),
+          _fmt(r['same_as_baseline'], '.0%') if r['temperature'] == 0 else '',
+          _fmt(r.get('alpha'), '.3f'), _fmt(r.get('accepted_per_call'), '.2f'),
+          _fmt(r.get('tokens_per_call'), '.2f'), _fmt(r.get('c'), '.3f'),
+          _fmt(r.get('predicted_speedup'), '.2f'), _fmt(r.get('efficiency'), '.2f'),
+          _fmt(r.get('step_cost_prediction'), '.2f'), _fmt(r.get('extra_arithmetic'), '.2f'),
+          _fmt(r.get('draft_step_ms'), '.2f'), _fmt(r.get('verify_step_ms'), '.2f'),
+          _fmt(r['compile_s'], '.1f')]) + ' |')
+    lines.append('')
+  if results.get('hf'):
+    lines += ['## Hugging Face transformers, PyTorch CPU, batch 1 (same sentences as batch 1)', '',
+              '| configuration | ms/sentence | speedup vs our target-only | BLEU '
+              '| same as our greedy |', '|---|---|---|---|---|']
+    for r in results['hf']:
+      lines.append(f"| {r['name']} | {r['ms_per_sentence']:.1f} | {r['speedup']:.2f}x | "
+                   f"{r['bleu']:.2f} | {r['same_as_baseline']:.0%} |")
+    lines.append('')
+  return '\n'.join(lines)
+
+
+def plots(results: Dict[str, Any], out_dir: Path) -> List[str]:
+  """speedup_vs_gamma.png and acceptance_by_position.png; [] without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print('matplotlib is not installed: no plots (pip install matplotlib)', file=sys.stderr)
+    return []
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for batch_size, block in results['batches'].items():
+    for temperature, style in ((0.0, '-'), (1.0, ':')):
+      rows = sorted((r for r in block['rows'] if r['method'] == 'speculative' and
+                     not r['adaptive'] and r['temperature'] == temperature),
+                    key=lambda r: r['gamma'])
+      if not rows:
+        continue
+      line, = ax.plot([r['gamma'] for r in rows], [r['speedup'] for r in rows], style + 'o',
+                      label=f'batch {batch_size}, T={temperature:g}')
+      if temperature == 0.0:
+        ax.plot([r['gamma'] for r in rows], [r['predicted_speedup'] for r in rows], '--x',
+                color=line.get_color(), alpha=0.5, label=f'batch {batch_size}, predicted')
+  ax.axhline(1.0, color='gray', lw=0.8)
+  ax.set(xlabel='gamma (draft tokens per target call)', ylabel='speedup over target-only',
+         title='Speculative decoding on the embedded Multi30k pair')
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  files = [str(out_dir / 'speedup_vs_gamma.png')]
+  fig.savefig(files[-1], dpi=120)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for batch_size, block in results['batches'].items():
+    fixed = [r for r in block['rows'] if r['method'] == 'speculative' and not r['adaptive']]
+    for temperature in sorted({r['temperature'] for r in fixed}):
+      r = max((r for r in fixed if r['temperature'] == temperature), key=lambda r: r['gamma'])
+      # accepted_at[i]: P(positions 0..i all accepted); the ratio conditions on reaching i.
+      reached = np.array([1.0] + r['accepted_at'])
+      conditional = reached[1:] / np.maximum(reached[:-1], 1e-9)
+      ax.plot(range(1, len(conditional) + 1), conditional, 'o-',
+              label=f"batch {batch_size}, T={temperature:g}, gamma={r['gamma']} "
+                    f"(alpha {r['alpha']:.2f})")
+  ax.set(xlabel='draft position i', ylim=(0, 1),
+         ylabel='P(accept position i | positions < i accepted)',
+         title='Acceptance by draft position')
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  files.append(str(out_dir / 'acceptance_by_position.png'))
+  fig.savefig(files[-1], dpi=120)
+  plt.close(fig)
+  return files
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _parse_sentences(spec: str) -> Dict[int, int]:
+  try:
+    pairs = dict(item.split(':') for item in spec.split(','))
+    return {int(b): int(n) for b, n in pairs.items()}
+  except ValueError:
+    raise SystemExit(f'error: --sentences wants batch:count pairs like 1:100,8:200, got {spec!r}')
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out_dir', default='benchmark_results')
+  parser.add_argument('--data_dir', default=None, help='folder holding multi30k/')
+  parser.add_argument('--sentences', default='1:100,8:200,32:320',
+                      help='batch_size:number_of_sentences pairs (the first N test sentences)')
+  parser.add_argument('--repeats', type=int, default=3, help='timed passes per configuration')
+  parser.add_argument('--quick', action='store_true', help='4 configurations, 16 sentences')
+  parser.add_argument('--no_hf', action='store_true', help='skip HF assisted generation')
+  parser.add_argument('--hf_gammas', default='4', help='constant HF assistant lengths to run')
+  parser.add_argument('--target', default=str(PRETRAINED / 'multi30k_de_en_target.msgpack'))
+  parser.add_argument('--draft', default=str(PRETRAINED / 'multi30k_de_en_draft.msgpack'))
+  parser.add_argument('--replot', action='store_true',
+                      help="only rewrite the table and plots from out_dir's benchmark.json")
+  args = parser.parse_args(argv)
+  out_dir = Path(args.out_dir)
+  if args.replot:
+    results = json.loads((out_dir / 'benchmark.json').read_text())
+    (out_dir / 'benchmark.md').write_text(markdown(results))
+    print('wrote', out_dir / 'benchmark.md', *plots(results, out_dir))
+    return
+  sizes = {1: 16, 8: 16} if args.quick else _parse_sentences(args.sentences)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  try:
+    sources, references = data.load_split('test', data_dir=args.data_dir)
+  except FileNotFoundError as e:
+    raise SystemExit(f'error: Multi30k not found ({e}); pass --data_dir or set '
+                     f'{data.DATA_ENV_VAR}.')
+
+  configs, params = {}, {}
+  for name, path in (('target', args.target), ('draft', args.draft)):
+    configs[name], params[name], _ = train.load_weights(path)
+  c_hat = configs['draft'].decode_flops_per_token() / configs['target'].decode_flops_per_token()
+  settings = grid(args.quick)
+  results = {'meta': {
+      'description': 'embedded Multi30k De->En pair on test_2016_flickr, greedy and sampling',
+      'command': 'python scripts/benchmark.py ' + ' '.join(argv if argv is not None
+                                                           else sys.argv[1:]),
+      'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+                 f'jax {jax.__version__} on {jax.devices()[0].platform}',
+      'xla_flags': os.environ.get('XLA_FLAGS', ''), 'repeats': args.repeats,
+      'input_length': INPUT_LENGTH, 'output_length': OUTPUT_LENGTH, 'c_hat': c_hat,
+      'target_params': int(sum(x.size for x in jax.tree_util.tree_leaves(params['target']))),
+      'draft_params': int(sum(x.size for x in jax.tree_util.tree_leaves(params['draft'])))},
+      'batches': {}, 'hf': []}
+  json_path = out_dir / 'benchmark.json'
+
+  def save():
+    json_path.write_text(json.dumps(results, indent=1))
+
+  total = len(sizes) * len(settings)
+  done = 0
+  started = time.perf_counter()
+  for batch_size, count in sizes.items():
+    count = min(count, len(sources))
+    token_rows = data.encode(sources[:count], INPUT_LENGTH)
+    batches = make_batches(token_rows, batch_size)
+    steps = {'target': step_times_ms(configs['target'], params['target'], batch_size,
+                                     range(1, BILD_MAX_SMALL_STEPS + 2)),
+             'draft': step_times_ms(configs['draft'], params['draft'], batch_size, (1, 2))}
+    block = {'num_sentences': count, 'rows': [],
+             'step_ms': {m: {str(k): v for k, v in t.items()} for m, t in steps.items()}}
+    results['batches'][str(batch_size)] = block
+    baselines = {}
+    for setting in settings:
+      run = run_setting(setting, configs, params, batches, count, args.repeats)
+      if setting.method == 'baseline':
+        baselines[setting.temperature] = run
+      row = summarize(setting, run, baselines[setting.temperature if setting.method != 'bild'
+                                              else 0.0],
+                      steps, c_hat, references[:count])
+      block['rows'].append(row)
+      done += 1
+      print(f'[{done}/{total} {time.perf_counter() - started:.0f}s] batch {batch_size} '
+            f"{row['name']}: {row['ms_per_sentence']:.1f} ms/sentence, {row['speedup']:.2f}x, "
+            f"BLEU {row['bleu']:.2f}, alpha {_fmt(row.get('alpha'), '.3f')}, "
+            f"compile {row['compile_s']:.1f}s", flush=True)
+      save()
+    if batch_size == 1 and not args.no_hf:
+      try:
+        results['hf'] = hf_rows(configs, params, sources[:count], references[:count],
+                                baselines[0.0]['decodes'], baselines[0.0]['ms_per_sentence'],
+                                args.repeats, [int(g) for g in args.hf_gammas.split(',')])
+        for r in results['hf']:
+          print(f"HF {r['name']}: {r['ms_per_sentence']:.1f} ms/sentence, "
+                f"{r['speedup']:.2f}x vs our target-only, same as our greedy "
+                f"{r['same_as_baseline']:.0%}", flush=True)
+      except ImportError as e:
+        print(f'skipping HF assisted generation: {e}', file=sys.stderr)
+      save()
+  (out_dir / 'benchmark.md').write_text(markdown(results))
+  files = plots(results, out_dir)
+  print(f'wrote {json_path}, {out_dir / "benchmark.md"}' + ''.join(f', {f}' for f in files))
+
+
+if __name__ == '__main__':
+  main()
