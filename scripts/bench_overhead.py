@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmark import median_seconds  # scripts/benchmark.py, beside this file
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import network
@@ -25,16 +26,6 @@ CONFIG = network.T5Config(vocab_size=32128, emb_dim=512, num_heads=6, head_dim=6
                           num_encoder_layers=8, num_decoder_layers=8, mlp_dim=1024,
                           mlp_activations=('gelu', 'linear'), dropout_rate=0.0)
 ENC_LEN, DEC_LEN = 32, 64
-
-
-def _median_time(fn, repeats):
-  fn()  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def main():
@@ -56,7 +47,7 @@ def main():
                                                 method=network.Transformer.decode_step))
   for k in (1, 4, 8):
     tokens = jnp.full((1, k), 5, jnp.int32)
-    ms = 1e3 * _median_time(lambda: step(params, tokens, cache), args.repeats * 4)
+    ms = 1e3 * median_seconds(lambda: step(params, tokens, cache), args.repeats * 4)
     results['step_ms'][k] = ms
     print(f'cached step, batch 1, k={k}: {ms:.2f} ms')
 
@@ -77,7 +68,7 @@ def main():
       start = time.perf_counter()
       jax.block_until_ready(predict(all_params, batch_dict))
       compile_s = time.perf_counter() - start
-      seconds = _median_time(lambda: predict(all_params, batch_dict), args.repeats)
+      seconds = median_seconds(lambda: predict(all_params, batch_dict), args.repeats)
       _, aux = predict(all_params, batch_dict)
       calls = float(np.mean(aux['stats']['target_calls']))
       row[name] = {'ms_per_token': 1e3 * seconds / DEC_LEN, 'first_call_s': compile_s,
