@@ -136,14 +136,9 @@ def step_times_ms(config: network.T5Config, params, batch: int, chunk_sizes: Seq
 
 def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int) -> List[Dict[str, Any]]:
   """Fixed-shape [batch_size, length] batches; the last is padded with all-zero rows."""
-  batches = []
-  for start in range(0, len(token_rows), batch_size):
-    tokens = np.zeros((batch_size, INPUT_LENGTH), np.int32)
-    for i, row in enumerate(token_rows[start:start + batch_size]):
-      tokens[i, :len(row)] = row
-    batches.append({'encoder_input_tokens': jnp.asarray(tokens),
-                    'decoder_input_tokens': jnp.zeros((batch_size, OUTPUT_LENGTH), jnp.int32)})
-  return batches
+  return [{k: jnp.asarray(v) for k, v in data.pad_batch(
+      token_rows[start:start + batch_size], None, INPUT_LENGTH, OUTPUT_LENGTH, batch_size).items()}
+          for start in range(0, len(token_rows), batch_size)]
 
 
 def run_setting(setting: Setting, configs, params, batches, num_sentences: int,

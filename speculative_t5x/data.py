@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -153,8 +153,9 @@ def pad_batch(inputs: Sequence[Sequence[int]], targets: Optional[Sequence[Sequen
               batch_size: Optional[int] = None) -> Dict[str, np.ndarray]:
   """One unpacked batch in T5X's feature names, padded to fixed shapes.
 
-  Returns encoder_input_tokens [batch, max_input_length], and with targets decoder_input_tokens /
-  decoder_target_tokens / decoder_loss_weights [batch, max_target_length]. Rows beyond
+  Returns encoder_input_tokens [batch, max_input_length] and decoder_input_tokens
+  [batch, max_target_length]: with targets, also decoder_target_tokens / decoder_loss_weights;
+  without, the all-zero decoder input of a predict batch (its width is the decode length). Rows beyond
   len(inputs) (up to `batch_size`) are all padding, with zero loss weight, so a short last batch
   keeps the compiled shape.
   """
@@ -171,6 +172,8 @@ def pad_batch(inputs: Sequence[Sequence[int]], targets: Optional[Sequence[Sequen
     dec_in[:, 1:] = tgt[:, :-1]  # Shifted right; position 0 holds the BOS id 0.
     batch.update(decoder_input_tokens=dec_in, decoder_target_tokens=tgt,
                  decoder_loss_weights=(tgt > 0).astype(np.float32))
+  else:
+    batch['decoder_input_tokens'] = np.zeros((n, max_target_length), np.int32)
   return batch
 
 

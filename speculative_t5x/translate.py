@@ -48,11 +48,7 @@ def _read_sentences(args: argparse.Namespace) -> List[str]:
 def _batch(sentences: Sequence[str], batch_size: int) -> dict:
   ids = data.encode(sentences, MAX_INPUT_LENGTH)
   rows = -(-len(ids) // batch_size) * batch_size  # fixed shapes: pad the last batch
-  tokens = np.zeros((rows, MAX_INPUT_LENGTH), np.int32)
-  for i, row in enumerate(ids):
-    tokens[i, :len(row)] = row
-  return {'encoder_input_tokens': tokens,
-          'decoder_input_tokens': np.zeros((rows, MAX_OUTPUT_LENGTH), np.int32)}
+  return data.pad_batch(ids, None, MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, rows)
 
 
 def main(argv: Sequence[str] = None) -> None:

@@ -43,9 +43,7 @@ def pair():
 
 
 def _batch(sentences):
-  # translate._batch fixes its lengths at 64; data.pad_batch is the same layout, any length.
   batch = data.pad_batch(data.encode(sentences, LENGTH), None, LENGTH, LENGTH)
-  batch['decoder_input_tokens'] = np.zeros((len(sentences), LENGTH), np.int32)
   return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
