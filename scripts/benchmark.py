@@ -209,10 +209,10 @@ def summarize(setting: Setting, run: Dict[str, Any], baseline: Dict[str, Any],
   alpha = accepted / max(accepted + totals['rollbacks'], 1)
   row.update(totals=totals, alpha=alpha, accepted_fraction=accepted / max(proposed, 1),
              accepted_per_call=accepted / calls,
-             tokens_per_call=int(s['emitted'].sum()) / calls,
-             draft_calls_per_target_call=int(s['draft_calls'].sum()) / calls,
+             tokens_per_call=totals['emitted'] / calls,
+             draft_calls_per_target_call=totals['draft_calls'] / calls,
              tokens_per_sentence=float(np.mean(s['emitted'])),
-             fallbacks=int(s['fallbacks'].sum()), rollbacks=int(s['rollbacks'].sum()),
+             fallbacks=totals['fallbacks'], rollbacks=totals['rollbacks'],
              # P(the first i+1 proposals of a target call were all accepted), i = 0..gamma-1.
              accepted_at=(s['accepted_at'].sum(axis=0) / calls).tolist())
   # The verify chunk is always (static gamma) + 1 tokens wide; BiLD's gamma is max_small_steps.
