@@ -172,13 +172,36 @@ class VerifyRule(NamedTuple):
     target's plain softmax p_raw (temperature 1, no masks).
   correction(p, q) -> [..., vocab] unnormalised distribution of the token emitted at the first
     rejection; after the last proposal (the bonus token) it is called with q = 0.
+  greedy_accept(logits, target_argmax, x) -> [...] bool, the same decision at temperature 0
+    from the target's raw logits [..., vocab] and argmax [...], without building distributions;
+    the correction is then always the target's argmax. None: greedy decoding takes the general
+    path on one-hot distributions.
   """
   accept_prob: Callable[[Array, Array, Array, Array], Array]
   correction: Callable[[Array, Array], Array]
+  greedy_accept: Optional[Callable[[Array, Array, Array], Array]] = None
 
 
 def _at(dist: Array, tokens: Array) -> Array:
   return jnp.take_along_axis(dist, tokens[..., None], axis=-1)[..., 0]
+
+
+def argmax(logits: Array) -> Array:
+  """First index of the maximum over the last axis, [...] int32 (= jnp.argmax on finite input).
+
+  Two plain reductions instead of XLA's variadic (value, index) reduce, which XLA:CPU runs about
+  twice as slowly over a vocabulary.
+  """
+  vocab = logits.shape[-1]
+  is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
+  index = jnp.min(jnp.where(is_max, jax.lax.broadcasted_iota(jnp.int32, logits.shape,
+                                                             logits.ndim - 1), vocab), axis=-1)
+  return jnp.minimum(index, vocab - 1)  # all-NaN rows
+
+
+def _raw_log_prob(logits: Array, tokens: Array) -> Array:
+  """log softmax(logits)[tokens] without materialising the distribution: [...] float32."""
+  return _at(logits, tokens) - jax.nn.logsumexp(logits, axis=-1)
 
 
 def speculative_rule(lenience: float = 1.0, greedy: bool = False) -> VerifyRule:
@@ -197,7 +220,13 @@ def speculative_rule(lenience: float = 1.0, greedy: bool = False) -> VerifyRule:
     q_x = _at(q, x)
     return jnp.minimum(1.0, _at(p, x) / jnp.maximum(lenience * q_x, 1e-30))
 
-  return VerifyRule(accept_prob, lambda p, q: jnp.maximum(p - q, 0.0))
+  def greedy_accept(logits, target_argmax, x):
+    if lenience == 1.0:
+      return x == target_argmax
+    # p(x) >= l max p  <=>  logit(x) - max logit >= log l: no normaliser needed.
+    return _at(logits, x) - jnp.max(logits, axis=-1) >= np.log(lenience)
+
+  return VerifyRule(accept_prob, lambda p, q: jnp.maximum(p - q, 0.0), greedy_accept)
 
 
 def bild_rule(rollback_threshold: float = 5.0) -> VerifyRule:
@@ -213,7 +242,10 @@ def bild_rule(rollback_threshold: float = 5.0) -> VerifyRule:
     agrees = x == jnp.argmax(p_raw, axis=-1)
     return ((_at(p_raw, x) >= min_prob) | agrees).astype(jnp.float32)
 
-  return VerifyRule(accept_prob, lambda p, q: p)
+  def greedy_accept(logits, target_argmax, x):
+    return (jnp.exp(_raw_log_prob(logits, x)) >= min_prob) | (x == target_argmax)
+
+  return VerifyRule(accept_prob, lambda p, q: p, greedy_accept)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,13 +273,39 @@ class LoopState:
   stats: DecodeStats
 
 
-class _Draft(NamedTuple):
-  tokens: Array         # [batch, gamma]
-  probs: Array          # [batch, gamma, vocab], zero beyond num_proposed
-  num_proposed: Array   # [batch]
-  steps: Array          # [batch] draft calls made while the row was drafting
-  unconfident: Array    # [batch] drafting stopped below the confidence threshold
-  cache: Any
+@flax.struct.dataclass
+class Draft:
+  """The draft phase's carry and result.
+
+  tokens:       [batch, gamma] int32 proposals (garbage beyond num_proposed).
+  probs:        [batch, gamma, vocab] the draft's sampling distribution q of each proposal, zero
+                beyond num_proposed; None when greedy (q is then the one-hot of the token).
+  num_proposed: [batch] int32.
+  drafting:     [batch] bool, the row is still proposing.
+  steps:        [batch] int32, draft calls made while the row was drafting.
+  unconfident:  [batch] bool, drafting stopped below the confidence threshold.
+  """
+  tokens: Array
+  probs: Optional[Array]
+  num_proposed: Array
+  drafting: Array
+  steps: Array
+  unconfident: Array
+
+
+class Verdict(NamedTuple):
+  """The target's judgement of one draft (every field per row).
+
+  accepted_at:  [batch, max(gamma, 1)] int32, 1 where proposal i and all before it stand.
+  num_accepted: [batch] int32.
+  extra:        [batch] int32, the correction at the first rejection, or the bonus token.
+  token_log_probs: [batch, gamma + 1] float32, log-probability (for the score) of the tokens the
+                commit may emit: the accepted proposals, then the extra token.
+  """
+  accepted_at: Array
+  num_accepted: Array
+  extra: Array
+  token_log_probs: Array
 
 
 def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any,
@@ -271,31 +329,44 @@ class _LoopConfig(NamedTuple):
   adaptive_gamma: bool
   eos_id: int
 
+  @property
+  def greedy(self) -> bool:
+    """Temperature 0 with a rule that decides from argmaxes: no distributions, no sampling."""
+    return self.temperature <= MIN_TEMPERATURE and self.rule.greedy_accept is not None
+
 
 def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, forced: Array,
-                 limit: Array, rng: Array) -> _Draft:
-  """Up to cfg.gamma autoregressive draft calls; rows stop individually, the loop when all have."""
+                 limit: Array, rng: Array) -> Tuple[Draft, Any]:
+  """Up to cfg.gamma autoregressive draft calls; rows stop individually, the loop when all have.
+
+  Returns the draft and the draft model's new cache.
+  """
   batch = state.length.shape[0]
   rows = jnp.arange(batch)
-  gamma = cfg.gamma
 
-  def propose(i, logits, carry):
-    """Samples draft token i of every row from logits [batch, vocab]; updates the carry."""
-    tokens, probs, num_proposed, drafting, steps, unconfident, rng = carry
-    rng, sample_rng = jax.random.split(rng)
+  def propose(i, logits, draft, rng):
+    """Draft token i of every row from logits [batch, vocab]."""
     forced_i = forced[rows, state.length + 1 + i]
-    log_q = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_i)
-    token = jax.random.categorical(sample_rng, log_q).astype(jnp.int32)
-    confidence = jnp.where(forced_i > 0, 1.0, jnp.max(jax.nn.softmax(logits), axis=-1))
-    keep = drafting & (confidence >= cfg.confidence_threshold)
-    tokens = tokens.at[:, i].set(token)
-    probs = probs.at[:, i].set(jnp.where(keep[:, None], jnp.exp(log_q), 0.0))
-    steps = steps + drafting
-    unconfident = unconfident | (drafting & ~keep)
-    num_proposed = num_proposed + keep
+    probs = draft.probs
+    if cfg.greedy:
+      token = jnp.where(forced_i > 0, forced_i, argmax(logits))
+    else:
+      rng, sample_rng = jax.random.split(rng)
+      log_q = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_i)
+      token = jax.random.categorical(sample_rng, log_q).astype(jnp.int32)
+    keep = draft.drafting
+    if cfg.confidence_threshold > 0:
+      top_prob = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+      keep &= (forced_i > 0) | (top_prob >= cfg.confidence_threshold)
+    if probs is not None:
+      q = jnp.where(keep[:, None], jnp.exp(log_q), 0.0)
+      probs = jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], i, axis=1)
     drafting = (keep & (i + 1 < state.gamma) & (state.length + i + 2 <= limit) &
                 ((token != cfg.eos_id) | (forced_i > 0)))
-    return tokens, probs, num_proposed, drafting, steps, unconfident, rng
+    return Draft(tokens=jax.lax.dynamic_update_slice_in_dim(draft.tokens, token[:, None], i, 1),
+                 probs=probs, num_proposed=draft.num_proposed + keep, drafting=drafting,
+                 steps=draft.steps + draft.drafting,
+                 unconfident=draft.unconfident | (draft.drafting & ~keep)), rng
 
   # The draft cache may lack the previous iteration's last accepted proposal (when all were
   # accepted), so the first call re-feeds the previous token as well: rewriting an existing
@@ -303,27 +374,139 @@ def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, f
   start = jnp.maximum(state.length - 1, 0)
   first_tokens = jnp.take_along_axis(state.sequences, start[:, None] + jnp.arange(2)[None], axis=1)
   logits, cache = _call(draft_fn, first_tokens, start, state.draft_cache, state.sequences)
-  vocab = logits.shape[-1]
   zeros = jnp.zeros((batch,), jnp.int32)
-  carry = (jnp.zeros((batch, gamma), jnp.int32), jnp.zeros((batch, gamma, vocab), jnp.float32),
-           zeros, ~state.ended & (state.gamma > 0) & (state.length < limit), zeros,
-           jnp.zeros((batch,), jnp.bool_), rng)
-  carry = propose(0, logits[rows, state.length - start], carry)
+  draft = Draft(
+      tokens=jnp.zeros((batch, cfg.gamma), jnp.int32),
+      probs=None if cfg.greedy else jnp.zeros((batch, cfg.gamma, logits.shape[-1]), jnp.float32),
+      num_proposed=zeros, drafting=~state.ended & (state.gamma > 0) & (state.length < limit),
+      steps=zeros, unconfident=jnp.zeros((batch,), jnp.bool_))
+  draft, rng = propose(0, logits[rows, state.length - start], draft, rng)
 
   def cond(loop):
-    i, _, carry = loop
-    return (i < gamma) & jnp.any(carry[3])
+    i, _, draft, _ = loop
+    return (i < cfg.gamma) & jnp.any(draft.drafting)
 
   def body(loop):
-    i, cache, carry = loop
-    previous = jax.lax.dynamic_slice_in_dim(carry[0], i - 1, 1, axis=1)
-    logits, cache = _call(draft_fn, previous, state.length + i, cache,
-                          state.sequences)
-    return i + 1, cache, propose(i, logits[:, 0], carry)
+    i, cache, draft, rng = loop
+    previous = jax.lax.dynamic_slice_in_dim(draft.tokens, i - 1, 1, axis=1)
+    logits, cache = _call(draft_fn, previous, state.length + i, cache, state.sequences)
+    draft, rng = propose(i, logits[:, 0], draft, rng)
+    return i + 1, cache, draft, rng
 
-  _, cache, carry = jax.lax.while_loop(cond, body, (jnp.array(1), cache, carry))
-  tokens, probs, num_proposed, _, steps, unconfident, _ = carry
-  return _Draft(tokens, probs, num_proposed, steps, unconfident, cache)
+  _, cache, draft, _ = jax.lax.while_loop(cond, body, (jnp.array(1), cache, draft, rng))
+  return draft, cache
+
+
+def _verify_greedy(cfg: _LoopConfig, logits: Array, forced_chunk: Array, draft: Optional[Draft]
+                   ) -> Verdict:
+  """Temperature-0 verification from argmaxes: logits [batch, gamma + 1, vocab].
+
+  Equal, decision for decision, to the general path on one-hot distributions: a proposal stands
+  when the rule accepts it (or it is a forced prompt token), and the token after the accepted
+  ones is the target's argmax (the residual of two different one-hots is the target's one).
+  """
+  batch, k, _ = logits.shape
+  rows = jnp.arange(batch)
+  target_tokens = jnp.where(forced_chunk > 0, forced_chunk, argmax(logits))  # [batch, k]
+  if draft is None:
+    accepted_at = jnp.zeros((batch, 1), jnp.int32)
+    num_accepted = jnp.zeros((batch,), jnp.int32)
+  else:
+    accept = jnp.where(forced_chunk[:, :-1] > 0, draft.tokens == forced_chunk[:, :-1],
+                       cfg.rule.greedy_accept(logits[:, :-1], target_tokens[:, :-1],
+                                              draft.tokens))
+    in_proposal = jnp.arange(k - 1)[None] < draft.num_proposed[:, None]
+    accepted_at = jnp.cumprod((accept & in_proposal).astype(jnp.int32), axis=1)
+    num_accepted = jnp.sum(accepted_at, axis=1)
+  extra = target_tokens[rows, num_accepted]
+  if cfg.rescale_log_probs:
+    # The one-hot sampling distribution gives every emitted token log-probability 0.
+    token_log_probs = jnp.zeros((batch, k), jnp.float32)
+  else:
+    emitted = target_tokens if draft is None else jnp.concatenate(
+        [draft.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(k)[None] == num_accepted[:, None], extra[:, None], emitted)
+    token_log_probs = _raw_log_prob(logits, emitted)
+  return Verdict(accepted_at, num_accepted, extra, token_log_probs)
+
+
+def _verify_sampled(cfg: _LoopConfig, logits: Array, forced_chunk: Array, draft: Optional[Draft],
+                    accept_rng: Array, extra_rng: Array) -> Verdict:
+  """The rule's acceptance test and correction on distributions: logits [batch, gamma + 1, vocab]."""
+  batch, k, _ = logits.shape
+  rows = jnp.arange(batch)
+  log_p = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_chunk)
+  p = jnp.exp(log_p)
+  if draft is None:
+    accepted_at = jnp.zeros((batch, 1), jnp.int32)
+    num_accepted = jnp.zeros((batch,), jnp.int32)
+    q_next = jnp.zeros_like(p[:, 0])
+    emitted = jnp.zeros((batch, k), jnp.int32)
+  else:
+    gamma = k - 1
+    p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
+    in_proposal = jnp.arange(gamma)[None] < draft.num_proposed[:, None]
+    accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], draft.tokens)
+    uniform = jax.random.uniform(accept_rng, (batch, gamma))
+    accepted_at = jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1)
+    num_accepted = jnp.sum(accepted_at, axis=1)
+    q_next = jnp.where((num_accepted < draft.num_proposed)[:, None],
+                       draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
+    emitted = jnp.concatenate([draft.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  p_next = p[rows, num_accepted]
+  weights = cfg.rule.correction(p_next, q_next)
+  # p == q exactly leaves no residual but then nothing can be rejected; guard the 0/0 anyway.
+  weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_next)
+  extra = _sample(extra_rng, weights)
+  emitted = jnp.where(jnp.arange(k)[None] == num_accepted[:, None], extra[:, None], emitted)
+  log_probs = log_p if cfg.rescale_log_probs else jax.nn.log_softmax(logits)
+  return Verdict(accepted_at, num_accepted, extra, _at(log_probs, emitted))
+
+
+def _commit(cfg: _LoopConfig, state: LoopState, verdict: Verdict, proposals: Array,
+            forced_chunk: Array, limit: Array) -> Tuple[Array, Array, Array, Array, Array]:
+  """Writes the accepted proposals and the extra token, cut at a sampled EOS and the row limit.
+
+  Returns (sequences, new length, ended, count [batch] tokens written, log-prob increment).
+  """
+  batch = state.length.shape[0]
+  rows = jnp.arange(batch)
+  offsets = jnp.arange(forced_chunk.shape[1])
+  length, num_accepted = state.length, verdict.num_accepted
+  padded = jnp.concatenate([proposals, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  emitted = jnp.where(offsets < num_accepted[:, None], padded,
+                      jnp.where(offsets == num_accepted[:, None], verdict.extra[:, None], 0))
+  count = num_accepted + 1
+  is_eos = (emitted == cfg.eos_id) & (forced_chunk == 0) & (offsets < count[:, None])
+  hit_eos = jnp.any(is_eos, axis=1)
+  count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)
+  active = ~state.ended
+  count = jnp.where(active, jnp.minimum(count, limit - length), 0)
+  valid = offsets < count[:, None]
+  sequences = state.sequences.at[rows[:, None], length[:, None] + 1 + offsets].set(
+      jnp.where(valid, emitted, 0), mode='drop')
+  log_prob = jnp.sum(jnp.where(valid & (forced_chunk == 0), verdict.token_log_probs, 0.0), axis=1)
+  new_length = length + count
+  ended = state.ended | (active & hit_eos) | (new_length >= limit)
+  return sequences, new_length, ended, count, log_prob
+
+
+def _count(stats: DecodeStats, active: Array, draft: Optional[Draft], verdict: Verdict,
+           count: Array) -> DecodeStats:
+  """Adds one iteration to the per-row statistics (rows that were already done add nothing)."""
+  on = active.astype(jnp.int32)
+  if draft is None:
+    return stats.replace(target_calls=stats.target_calls + on, emitted=stats.emitted + count)
+  rejected = verdict.num_accepted < draft.num_proposed
+  return DecodeStats(
+      target_calls=stats.target_calls + on,
+      draft_calls=stats.draft_calls + draft.steps * on,
+      proposed=stats.proposed + draft.num_proposed * on,
+      accepted=stats.accepted + verdict.num_accepted * on,
+      accepted_at=stats.accepted_at + verdict.accepted_at * on[:, None],
+      emitted=stats.emitted + count,
+      fallbacks=stats.fallbacks + (draft.unconfident & active),
+      rollbacks=stats.rollbacks + (rejected & active))
 
 
 def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
@@ -343,85 +526,39 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
     limit = jnp.minimum(limit, jnp.sum(inputs != 0, axis=1) + max_decode_steps)
 
   def body(state: LoopState) -> LoopState:
-    rng, draft_rng, accept_rng, extra_rng = jax.random.split(state.rng, 4)
-    active = ~state.ended
-    length = state.length
-
+    rng = state.rng
+    if not cfg.greedy:
+      rng, draft_rng, accept_rng, extra_rng = jax.random.split(rng, 4)
+    draft, draft_cache = None, state.draft_cache
+    proposals = jnp.zeros((batch, 0), jnp.int32)
     if gamma:
-      draft = _draft_phase(cfg, state, draft_fn, forced, limit, draft_rng)
-      proposals, num_proposed = draft.tokens, draft.num_proposed
-    else:
-      proposals = jnp.zeros((batch, 0), jnp.int32)
-      num_proposed = jnp.zeros((batch,), jnp.int32)
+      draft, draft_cache = _draft_phase(cfg, state, draft_fn, forced, limit,
+                                        None if cfg.greedy else draft_rng)
+      proposals = draft.tokens
 
     # Verify: the row's last token and its proposals, in one call at the row's position.
-    chunk = jnp.concatenate([state.sequences[rows, length][:, None], proposals], axis=1)
-    logits, target_cache = _call(target_fn, chunk, length, state.target_cache, state.sequences)
-    forced_chunk = forced[rows[:, None], length[:, None] + 1 + offsets]  # [batch, gamma + 1]
-    log_p = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_chunk)
-    p = jnp.exp(log_p)
-
-    if gamma:
-      p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
-      in_proposal = offsets[None, :gamma] < num_proposed[:, None]
-      accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], proposals)
-      uniform = jax.random.uniform(accept_rng, (batch, gamma))
-      accepted_at = jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1)
-      num_accepted = jnp.sum(accepted_at, axis=1)
-      q_next = jnp.where((num_accepted < num_proposed)[:, None],
-                         draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
+    chunk = jnp.concatenate([state.sequences[rows, state.length][:, None], proposals], axis=1)
+    logits, target_cache = _call(target_fn, chunk, state.length, state.target_cache,
+                                 state.sequences)
+    forced_chunk = forced[rows[:, None], state.length[:, None] + 1 + offsets]  # [batch, gamma + 1]
+    if cfg.greedy:
+      verdict = _verify_greedy(cfg, logits, forced_chunk, draft)
     else:
-      accepted_at = jnp.zeros((batch, 1), jnp.int32)
-      num_accepted = jnp.zeros((batch,), jnp.int32)
-      q_next = jnp.zeros_like(p[:, 0])
+      verdict = _verify_sampled(cfg, logits, forced_chunk, draft, accept_rng, extra_rng)
 
-    p_next = p[rows, num_accepted]
-    weights = cfg.rule.correction(p_next, q_next)
-    # p == q exactly leaves no residual but then nothing can be rejected; guard the 0/0 anyway.
-    weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_next)
-    extra = _sample(extra_rng, weights)
-
-    # Commit: accepted proposals, then the extra token; cut at a sampled EOS and the row limit.
-    padded = jnp.concatenate([proposals, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(offsets < num_accepted[:, None], padded,
-                        jnp.where(offsets == num_accepted[:, None], extra[:, None], 0))
-    count = num_accepted + 1
-    is_eos = ((emitted == cfg.eos_id) & (forced_chunk == 0) & (offsets < count[:, None]))
-    hit_eos = jnp.any(is_eos, axis=1)
-    count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)
-    count = jnp.where(active, jnp.minimum(count, limit - length), 0)
-    valid = offsets < count[:, None]
-    sequences = state.sequences.at[rows[:, None], length[:, None] + 1 + offsets].set(
-        jnp.where(valid, emitted, 0), mode='drop')
-    log_probs = log_p if cfg.rescale_log_probs else jax.nn.log_softmax(logits)
-    token_log_probs = jnp.where(valid & (forced_chunk == 0), _at(log_probs, emitted), 0.0)
-    new_length = length + count
-    ended = state.ended | (active & hit_eos) | (new_length >= limit)
-
-    rejected = num_accepted < num_proposed
+    sequences, length, ended, count, log_prob = _commit(cfg, state, verdict, proposals,
+                                                        forced_chunk, limit)
     new_gamma = state.gamma
     if cfg.adaptive_gamma:
       # HF's heuristic: lengthen after a fully accepted draft, shorten after a rejection.
+      rejected = verdict.num_accepted < draft.num_proposed
       new_gamma = jnp.where(rejected, jnp.maximum(state.gamma - 1, 1),
                             jnp.minimum(state.gamma + 2, gamma))
-      new_gamma = jnp.where(active, new_gamma, state.gamma)
-
-    on = active.astype(jnp.int32)
-    s = state.stats
-    stats = DecodeStats(
-        target_calls=s.target_calls + on,
-        draft_calls=s.draft_calls + (draft.steps * on if gamma else 0),
-        proposed=s.proposed + num_proposed * on,
-        accepted=s.accepted + num_accepted * on,
-        accepted_at=s.accepted_at + accepted_at * on[:, None],
-        emitted=s.emitted + count,
-        fallbacks=s.fallbacks + ((draft.unconfident & active) if gamma else 0),
-        rollbacks=s.rollbacks + (rejected & active))
-    return LoopState(sequences=sequences, length=new_length, ended=ended,
-                     target_cache=target_cache,
-                     draft_cache=draft.cache if gamma else state.draft_cache,
-                     gamma=new_gamma, log_prob=state.log_prob + jnp.sum(token_log_probs, axis=1),
-                     rng=rng, stats=stats)
+      new_gamma = jnp.where(state.ended, state.gamma, new_gamma)
+    return LoopState(sequences=sequences, length=length, ended=ended, target_cache=target_cache,
+                     draft_cache=draft_cache, gamma=new_gamma,
+                     log_prob=state.log_prob + log_prob, rng=rng,
+                     stats=_count(state.stats, ~state.ended, draft, verdict, count))
 
   init = LoopState(
       sequences=jnp.zeros((batch, seq_len), jnp.int32), length=jnp.zeros((batch,), jnp.int32),

@@ -25,11 +25,17 @@ Params = Mapping[str, Any]
 
 
 def make_tokens_to_logits(module: network.Transformer, params: Params) -> decoding.TokensToLogits:
-  """The decoding loops' `tokens_to_logits` for one model: feeds cur_token at cur_index."""
+  """The decoding loops' `tokens_to_logits` for one model: feeds cur_token at cur_index.
+
+  Decode-time weight layouts (`network.decode_variables`) are computed here, once, outside the
+  decoding loop that calls the result.
+  """
+  variables = {'params': params,
+               network.DECODE_COLLECTION: network.decode_variables(module.config, params)}
 
   def tokens_to_logits(state: decoding.DecodingState):
     cache = state.cache.with_index(state.cur_index)
-    return module.apply({'params': params}, state.cur_token, cache,
+    return module.apply(variables, state.cur_token, cache,
                         method=network.Transformer.decode_step)
 
   return tokens_to_logits

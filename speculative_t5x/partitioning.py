@@ -32,9 +32,6 @@ LogicalAxisRules = Tuple[Tuple[str, Optional[str]], ...]
 PyTree = Any
 
 MESH_AXES = ('data', 'model')
-# Logical names of the DecoderCache leaves (T5X's activation names): keys/values
-# [batch, length, heads, head_dim], the per-row index [batch], the encoder mask [batch, length].
-_CACHE_KV_AXES = ('batch', 'length', 'heads', 'kv')
 
 
 def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
@@ -160,14 +157,16 @@ def cache_shardings(cache: network.DecoderCache, mesh: Mesh,
                     rules: Optional[LogicalAxisRules] = None) -> network.DecoderCache:
   """NamedShardings of a DecoderCache: batch over 'data', heads over 'model' (by `rules`)."""
   rules = standard_logical_axis_rules() if rules is None else rules
+  logical = network.DecoderCache.logical_axes()
 
-  def sharding(path, leaf):
-    ndim = np.ndim(leaf)
-    logical = _CACHE_KV_AXES if ndim == 4 else ('batch', 'length')[:ndim]
-    spec = _spec_for_shape(logical, np.shape(leaf), rules, mesh, 'cache' + jax.tree_util.keystr(path))
-    return NamedSharding(mesh, spec)
+  def field(name):
+    # One set of axis names per field, applied to each of its per-layer leaves.
+    return jax.tree_util.tree_map(
+        lambda leaf: NamedSharding(mesh, _spec_for_shape(getattr(logical, name), np.shape(leaf),
+                                                         rules, mesh, f'cache.{name}')),
+        getattr(cache, name))
 
-  return jax.tree_util.tree_map_with_path(sharding, cache)
+  return cache.replace(**{name: field(name) for name in cache.__dataclass_fields__})
 
 
 def constrain_cache(mesh: Mesh, rules: Optional[LogicalAxisRules] = None

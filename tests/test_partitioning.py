@@ -83,8 +83,8 @@ def test_cache_shardings():
   enc = jax.ShapeDtypeStruct((2, 8), np.int32)
   cache = jax.eval_shape(lambda p, e: model._init_cache(model.module, p, e, 6), target, enc)
   shardings = partitioning.cache_shardings(cache, partitioning.create_mesh())
-  assert shardings.self_key[0].spec == P('data', None, 'model')
-  assert shardings.cross_value[0].spec == P('data', None, 'model')
+  assert shardings.self_key[0].spec == P('data', 'model')    # [batch, heads, kv, length]
+  assert shardings.cross_value[0].spec == P('data', 'model')  # [batch, heads, length, kv]
   assert shardings.index.spec == P('data')
   assert shardings.encoder_mask.spec == P('data')
 
