@@ -34,7 +34,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -84,18 +84,25 @@ class Setting(NamedTuple):
                                          'adaptive_gamma': self.adaptive}
 
 
-def grid(quick: bool) -> List[Setting]:
+def grid(quick: bool, gammas: Sequence[int] = range(1, 9),
+         sampling_gammas: Sequence[int] = range(1, 9),
+         bild: Sequence[Tuple[float, float]] = tuple(
+             (f, r) for f in BILD_FALLBACKS for r in BILD_ROLLBACKS),
+         adaptive: bool = True) -> List[Setting]:
+  """The configurations: baselines, speculative gammas at T=0 and T=1, BiLD (fallback, rollback)."""
   if quick:
     return [Setting('baseline'), Setting('speculative', gamma=4),
             Setting('speculative', gamma=8, adaptive=True), Setting('bild', fallback=0.6,
                                                                     rollback=5.0)]
   settings = []
-  for temperature in (0.0, 1.0):
+  for temperature, temperature_gammas in ((0.0, gammas), (1.0, sampling_gammas)):
+    if not temperature_gammas:
+      continue
     settings.append(Setting('baseline', temperature))
-    settings += [Setting('speculative', temperature, gamma) for gamma in range(1, 9)]
-    settings.append(Setting('speculative', temperature, 8, adaptive=True))
-  settings += [Setting('bild', fallback=f, rollback=r)
-               for f in BILD_FALLBACKS for r in BILD_ROLLBACKS]
+    settings += [Setting('speculative', temperature, gamma) for gamma in temperature_gammas]
+    if adaptive:
+      settings.append(Setting('speculative', temperature, max(temperature_gammas), adaptive=True))
+  settings += [Setting('bild', fallback=f, rollback=r) for f, r in bild]
   return settings
 
 
@@ -118,20 +125,52 @@ def step_times_ms(config: network.T5Config, params, batch: int, chunk_sizes: Seq
                   position: int = 8, repeats: int = 20) -> Dict[int, float]:
   """Median ms of one cached decode step appending k tokens per row, for k in chunk_sizes.
 
-  The cache holds `position` tokens of a 20-token input; the step is jitted on its own, so the
-  times include one dispatch that the decode loops (one while_loop per batch) do not pay.
+  The cache holds `position` tokens of a 20-token input; the step runs with the decode
+  variables, as in the loops. It is jitted on its own, so the times include one dispatch that
+  the decode loops (one while_loop per batch) do not pay.
   """
   module = network.Transformer(config)
+  variables = {'params': params,
+               network.DECODE_COLLECTION: network.decode_variables(config, params)}
   encoder_tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, 20), 3, config.vocab_size)
   encoded = module.apply({'params': params}, encoder_tokens, method=network.Transformer.encode)
   cache = module.apply({'params': params}, encoded, encoder_tokens, OUTPUT_LENGTH,
                        method=network.Transformer.init_cache)
   cache = cache.with_index(jnp.full((batch,), position, jnp.int32))
-  step = jax.jit(lambda p, tokens, c: module.apply({'params': p}, tokens, c,
+  step = jax.jit(lambda v, tokens, c: module.apply(v, tokens, c,
                                                    method=network.Transformer.decode_step)[0])
-  return {k: 1e3 * median_seconds(lambda: step(params, jnp.full((batch, k), 5, jnp.int32), cache),
-                                  repeats)
+  return {k: 1e3 * median_seconds(
+      lambda: step(variables, jnp.full((batch, k), 5, jnp.int32), cache), repeats)
           for k in chunk_sizes}
+
+
+def step_weight_bytes(config: network.T5Config, params) -> int:
+  """Bytes of parameters one cached decoder step reads: the decoder without its cross-attention
+  key/value kernels (applied once, to the encoder output), plus the embedding table (the token
+  lookup and, tied, the logits)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params['decoder'])[0]:
+    names = [getattr(k, 'key', '') for k in path]
+    if 'encoder_decoder_attention' in names and ('key' in names or 'value' in names):
+      continue
+    total += leaf.size * leaf.dtype.itemsize
+  embedding = params['token_embedder']['embedding']
+  return total + embedding.size * embedding.dtype.itemsize
+
+
+def memory_bandwidth_gbs(megabytes: int = 64, repeats: int = 30) -> float:
+  """GB/s of a jitted sum over a fresh `megabytes` array (streams it once; best of repeats)."""
+  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  jax.block_until_ready(total(x))
+  best = min(_timed(lambda: total(x)) for _ in range(repeats))
+  return x.size * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
 
 
 def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int) -> List[Dict[str, Any]]:
@@ -141,9 +180,8 @@ def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int) -> List[D
           for start in range(0, len(token_rows), batch_size)]
 
 
-def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
-                repeats: int, seed: int = 0) -> Dict[str, Any]:
-  """Compiles and times one setting over all batches; returns its decodes, stats and times."""
+def compile_setting(setting: Setting, configs, params, batches, seed: int = 0):
+  """(one_pass, compile seconds): one_pass() decodes every batch once with `setting`."""
   decode_fn, kwargs = setting.decoder()
   model = models.EncoderDecoderModel(configs['target'], configs['draft'], decode_fn=decode_fn,
                                      decode_kwargs=kwargs, eos_id=data.EOS_ID)
@@ -151,16 +189,15 @@ def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
   start = time.perf_counter()
   predict = jax.jit(model.predict_batch_with_aux).lower(params, batches[0], rngs[0]).compile()
   compile_s = time.perf_counter() - start
+  return (lambda: [predict(params, b, r) for b, r in zip(batches, rngs)]), compile_s
 
-  def one_pass():
-    return [predict(params, b, r) for b, r in zip(batches, rngs)]
 
+def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
+                repeats: int, seed: int = 0) -> Dict[str, Any]:
+  """Compiles and times one setting over all batches; returns its decodes, stats and times."""
+  one_pass, compile_s = compile_setting(setting, configs, params, batches, seed)
   outputs = jax.block_until_ready(one_pass())  # warm-up, and the outputs
-  passes = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(one_pass())
-    passes.append(time.perf_counter() - start)
+  passes = [_timed(one_pass) for _ in range(repeats)]
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
   stats = {}
   if 'stats' in outputs[0][1]:
@@ -169,6 +206,41 @@ def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
   return {'decodes': decodes, 'stats': stats, 'compile_s': compile_s,
           'ms_per_sentence': 1e3 * float(np.median(passes)) / num_sentences,
           'pass_seconds': passes}
+
+
+def best_settings(rows: Sequence[Dict[str, Any]]) -> List[Setting]:
+  """The baselines and the fastest greedy, sampling and BiLD configurations of a batch block."""
+  chosen = []
+  for method, temperature in (('speculative', 0.0), ('speculative', 1.0), ('bild', 0.0)):
+    candidates = [r for r in rows if r['method'] == method and r['temperature'] == temperature]
+    if method == 'speculative' and candidates:
+      chosen.append(Setting('baseline', temperature))
+    if candidates:
+      best = max(candidates, key=lambda r: r['speedup'])
+      chosen.append(Setting(*(best[f] for f in Setting._fields)))
+  return chosen
+
+
+def interleaved(settings: Sequence[Setting], configs, params, batches, num_sentences: int,
+                repeats: int) -> List[Dict[str, Any]]:
+  """Re-times `settings` round-robin, `repeats` rounds: each speedup is the median over rounds
+  of (its baseline's pass time / its pass time) in the same round, so slow phases of a shared
+  machine hit both sides alike."""
+  passes = {s: compile_setting(s, configs, params, batches)[0] for s in settings}
+  for one_pass in passes.values():
+    jax.block_until_ready(one_pass())
+  times = {s: [] for s in settings}
+  for _ in range(repeats):
+    for s, one_pass in passes.items():
+      times[s].append(_timed(one_pass))
+  rows = []
+  for s in settings:
+    base = Setting('baseline', s.temperature if s.method != 'bild' else 0.0)
+    ratios = np.array(times[base]) / np.array(times[s])
+    rows.append({'name': s.name, 'ms_per_sentence': 1e3 * float(np.median(times[s])) /
+                 num_sentences, 'speedup': float(np.median(ratios)),
+                 'speedup_min': float(ratios.min()), 'speedup_max': float(ratios.max())})
+  return rows
 
 
 def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
@@ -312,7 +384,15 @@ def markdown(results: Dict[str, Any]) -> str:
   for batch_size, block in results['batches'].items():
     lines += [f"## Batch {batch_size} ({block['num_sentences']} sentences, "
               f"target 1-token step {block['step_ms']['target']['1']:.2f} ms, draft "
-              f"{block['step_ms']['draft']['1']:.2f} ms)", '', header,
+              f"{block['step_ms']['draft']['1']:.2f} ms)", '']
+    target_steps = block['step_ms']['target']
+    one = target_steps['1']
+    floor = results['meta'].get('weight_streaming_floor_ms', {}).get('target')
+    lines += ['Cached target step by tokens per row (ms, and / the 1-token step): ' + ', '.join(
+        f'k={k}: {v:.2f} ({v / one:.2f}x)' for k, v in target_steps.items()) + '.' + (
+            f" Weight-streaming floor {floor:.2f} ms at "
+            f"{results['meta']['memory_bandwidth_gbs']:.1f} GB/s: the 1-token step is "
+            f"{one / floor:.1f}x above it." if floor else ''), '', header,
               '|' + '---|' * (header.count('|') - 1)]
     for r in block['rows']:
       lines.append('| ' + ' | '.join([
@@ -326,6 +406,14 @@ def markdown(results: Dict[str, Any]) -> str:
           _fmt(r.get('draft_step_ms'), '.2f'), _fmt(r.get('verify_step_ms'), '.2f'),
           _fmt(r['compile_s'], '.1f')]) + ' |')
     lines.append('')
+    if block.get('interleaved'):
+      lines += [f"Interleaved re-timing (`{results['meta'].get('confirm_command', '--confirm')}`"
+                '): median over rounds of the per-round ratio to the baseline.', '',
+                '| configuration | ms/sentence | speedup | range over rounds |',
+                '|---|---|---|---|']
+      lines += [f"| {r['name']} | {r['ms_per_sentence']:.1f} | {r['speedup']:.2f}x | "
+                f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} |" for r in block['interleaved']]
+      lines.append('')
   if results.get('hf'):
     lines += ['## Hugging Face transformers, PyTorch CPU, batch 1 (same sentences as batch 1)', '',
               '| configuration | ms/sentence | speedup vs our target-only | BLEU '
@@ -401,6 +489,32 @@ def _parse_sentences(spec: str) -> Dict[int, int]:
     raise SystemExit(f'error: --sentences wants batch:count pairs like 1:100,8:200, got {spec!r}')
 
 
+def confirm(out_dir: Path, args: argparse.Namespace) -> None:
+  """Adds `interleaved` re-timings of each batch block's best configurations to the results."""
+  json_path = out_dir / 'benchmark.json'
+  results = json.loads(json_path.read_text())
+  configs, params = {}, {}
+  for name, path in (('target', args.target), ('draft', args.draft)):
+    configs[name], params[name], _ = train.load_weights(path)
+  prepared = jax.jit(models.EncoderDecoderModel(
+      configs['target'], configs['draft']).with_decode_variables)(params)
+  sources, _ = data.load_split('test', data_dir=args.data_dir)
+  for batch_size, block in results['batches'].items():
+    count = block['num_sentences']
+    batches = make_batches(data.encode(sources[:count], INPUT_LENGTH), int(batch_size))
+    block['interleaved'] = interleaved(best_settings(block['rows']), configs, prepared, batches,
+                                       count, args.repeats)
+    for r in block['interleaved']:
+      print(f"batch {batch_size} {r['name']}: {r['ms_per_sentence']:.1f} ms/sentence, "
+            f"{r['speedup']:.2f}x (rounds {r['speedup_min']:.2f}-{r['speedup_max']:.2f})",
+            flush=True)
+    json_path.write_text(json.dumps(results, indent=1))
+  results['meta']['confirm_command'] = ('python scripts/benchmark.py --confirm --out_dir '
+                                        f'{args.out_dir} --repeats {args.repeats}')
+  json_path.write_text(json.dumps(results, indent=1))
+  (out_dir / 'benchmark.md').write_text(markdown(results))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out_dir', default='benchmark_results')
@@ -409,10 +523,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       help='batch_size:number_of_sentences pairs (the first N test sentences)')
   parser.add_argument('--repeats', type=int, default=3, help='timed passes per configuration')
   parser.add_argument('--quick', action='store_true', help='4 configurations, 16 sentences')
+  parser.add_argument('--gammas', default='1,2,3,4,5,6,7,8', help='greedy speculative gammas')
+  parser.add_argument('--sampling_gammas', default='1,2,3,4,5,6,7,8',
+                      help='speculative gammas at temperature 1 (empty: none)')
+  parser.add_argument('--bild', default=','.join(f'{f}:{r}' for f in BILD_FALLBACKS
+                                                 for r in BILD_ROLLBACKS),
+                      help='BiLD fallback:rollback pairs (empty: none)')
+  parser.add_argument('--no_adaptive', action='store_true', help='skip adaptive gamma')
   parser.add_argument('--no_hf', action='store_true', help='skip HF assisted generation')
   parser.add_argument('--hf_gammas', default='4', help='constant HF assistant lengths to run')
   parser.add_argument('--target', default=str(PRETRAINED / 'multi30k_de_en_target.msgpack'))
   parser.add_argument('--draft', default=str(PRETRAINED / 'multi30k_de_en_draft.msgpack'))
+  parser.add_argument('--confirm', action='store_true',
+                      help="re-time out_dir's baselines and best configurations interleaved "
+                           '(adds an interleaved table to benchmark.json/.md)')
   parser.add_argument('--replot', action='store_true',
                       help="only rewrite the table and plots from out_dir's benchmark.json")
   args = parser.parse_args(argv)
@@ -421,6 +545,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     results = json.loads((out_dir / 'benchmark.json').read_text())
     (out_dir / 'benchmark.md').write_text(markdown(results))
     print('wrote', out_dir / 'benchmark.md', *plots(results, out_dir))
+    return
+  if args.confirm:
+    confirm(out_dir, args)
     return
   sizes = {1: 16, 8: 16} if args.quick else _parse_sentences(args.sentences)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -434,7 +561,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   for name, path in (('target', args.target), ('draft', args.draft)):
     configs[name], params[name], _ = train.load_weights(path)
   c_hat = configs['draft'].decode_flops_per_token() / configs['target'].decode_flops_per_token()
-  settings = grid(args.quick)
+  try:
+    ints = lambda spec: [int(g) for g in spec.split(',') if g]
+    bild = [tuple(float(v) for v in pair.split(':')) for pair in args.bild.split(',') if pair]
+    settings = grid(args.quick, ints(args.gammas), ints(args.sampling_gammas), bild,
+                    not args.no_adaptive)
+  except ValueError:
+    raise SystemExit('error: --gammas/--sampling_gammas want integers like 1,2,3 and --bild '
+                     'fallback:rollback pairs like 0.6:5')
+  # Decode-time weight layouts, computed once as a loaded checkpoint would be prepared.
+  prepared = jax.jit(models.EncoderDecoderModel(
+      configs['target'], configs['draft']).with_decode_variables)(params)
+  bandwidth = memory_bandwidth_gbs()
+  floor_ms = {name: 1e3 * step_weight_bytes(configs[name], params[name]) / (bandwidth * 1e9)
+              for name in configs}
   results = {'meta': {
       'description': 'embedded Multi30k De->En pair on test_2016_flickr, greedy and sampling',
       'command': 'python scripts/benchmark.py ' + ' '.join(argv if argv is not None
@@ -443,6 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                  f'jax {jax.__version__} on {jax.devices()[0].platform}',
       'xla_flags': os.environ.get('XLA_FLAGS', ''), 'repeats': args.repeats,
       'input_length': INPUT_LENGTH, 'output_length': OUTPUT_LENGTH, 'c_hat': c_hat,
+      'memory_bandwidth_gbs': bandwidth, 'weight_streaming_floor_ms': floor_ms,
       'target_params': int(sum(x.size for x in jax.tree_util.tree_leaves(params['target']))),
       'draft_params': int(sum(x.size for x in jax.tree_util.tree_leaves(params['draft'])))},
       'batches': {}, 'hf': []}
@@ -458,15 +599,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     count = min(count, len(sources))
     token_rows = data.encode(sources[:count], INPUT_LENGTH)
     batches = make_batches(token_rows, batch_size)
+    verify_sizes = sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, BILD_MAX_SMALL_STEPS + 1})
     steps = {'target': step_times_ms(configs['target'], params['target'], batch_size,
-                                     range(1, BILD_MAX_SMALL_STEPS + 2)),
+                                     verify_sizes),
              'draft': step_times_ms(configs['draft'], params['draft'], batch_size, (1, 2))}
+    print(f'batch {batch_size}: target step ms ' +
+          ' '.join(f'k={k}: {v:.2f}' for k, v in steps['target'].items()) +
+          f"; draft k=1: {steps['draft'][1]:.2f}, k=2: {steps['draft'][2]:.2f}; weight-"
+          f"streaming floor {floor_ms['target']:.2f} ms at {bandwidth:.1f} GB/s", flush=True)
     block = {'num_sentences': count, 'rows': [],
              'step_ms': {m: {str(k): v for k, v in t.items()} for m, t in steps.items()}}
     results['batches'][str(batch_size)] = block
     baselines = {}
     for setting in settings:
-      run = run_setting(setting, configs, params, batches, count, args.repeats)
+      run = run_setting(setting, configs, prepared, batches, count, args.repeats)
       if setting.method == 'baseline':
         baselines[setting.temperature] = run
       row = summarize(setting, run, baselines[setting.temperature if setting.method != 'bild'

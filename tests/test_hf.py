@@ -55,8 +55,11 @@ def _compare(model, config, params):
   with torch.no_grad():
     theirs = model.float()(input_ids=torch.tensor(enc), attention_mask=torch.tensor(enc > 0),
                            decoder_input_ids=torch.tensor(dec_in)).logits.numpy()
-  # float32 agreement, relative to the logits' scale (summation orders differ).
-  np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5 * np.abs(theirs).max(), rtol=0)
+  # float32 agreement, relative to the logits' scale (summation orders differ). On this
+  # project's current CPUs (jax 0.10.2) the tied relu variant's padded row differs by up to
+  # 3.2e-5 of the scale (also on the code before the decode hot-path changes); a swapped or
+  # transposed tensor differs by O(1).
+  np.testing.assert_allclose(np.asarray(ours), theirs, atol=5e-5 * np.abs(theirs).max(), rtol=0)
   assert np.abs(theirs).max() > 1.0  # not a degenerate comparison
 
 
