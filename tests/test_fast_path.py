@@ -113,3 +113,12 @@ def test_predict_with_hoisted_decode_variables():
   np.testing.assert_array_equal(np.asarray(hoisted), np.asarray(decodes))
   np.testing.assert_array_equal(np.asarray(hoisted_aux['stats']['accepted']),
                                 np.asarray(aux['stats']['accepted']))
+
+
+def test_categorical_draws_as_jax_random_categorical():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (4, 3, 50)) * 3
+  logits = logits.at[:, :, 10:20].set(decoding.NEG_INF).at[0, 0, 30].set(-jnp.inf)
+  for seed in range(5):
+    rng = jax.random.PRNGKey(seed)
+    np.testing.assert_array_equal(np.asarray(decoding.categorical(rng, logits)),
+                                  np.asarray(jax.random.categorical(rng, logits, axis=-1)))
