@@ -101,8 +101,8 @@ def main(argv: Sequence[str] = None) -> None:
   alpha = stats['accepted'].sum() / max(stats['proposed'].sum(), 1)
   per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
   print(f'\n{len(sentences)} sentences, gamma={args.gamma}: alpha={alpha:.3f}, '
-        f'{per_call:.2f} tokens per target call, speculative {seconds:.2f} s vs target-only '
-        f'{base_seconds:.2f} s ({base_seconds / seconds:.2f}x); outputs identical to '
+        f'{per_call:.2f} tokens per target call, speculative {1e3 * seconds:.0f} ms vs target-only '
+        f'{1e3 * base_seconds:.0f} ms ({base_seconds / seconds:.2f}x); outputs identical to '
         f'target-only greedy: {bool((decodes == base_decodes).all())}')
 
 
