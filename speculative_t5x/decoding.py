@@ -25,9 +25,11 @@ on the next call: the caches never read entries at or after a row's position, an
 (see `network.DecoderCache`). Finished rows keep riding along in the fixed-shape batch but their
 state no longer changes.
 
-Greedy decoding (temperature <= MIN_TEMPERATURE) is the same code on one-hot distributions:
+Greedy decoding (temperature <= MIN_TEMPERATURE) is the same rule on one-hot distributions:
 p(x)/q(x) is 1 when the draft's argmax equals the target's and 0 otherwise, and the residual is the
-target's argmax, so greedy speculative output is the target's greedy output token for token.
+target's argmax, so greedy speculative output is the target's greedy output token for token. The
+loop runs it as its own branch (`_verify_greedy`, `VerifyRule.greedy_accept`): argmaxes compared,
+no distributions over the vocabulary built, no random numbers drawn.
 
 Sequence layout, as in T5X: `sequences[:, 0]` is the BOS slot (token 0) and `sequences[:, j]` is
 output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, a prompt.
