@@ -5,6 +5,15 @@ setuptools.setup(
     version='0.1.0',
     description='Exact speculative decoding and the Big Little Decoder for T5 in JAX/Flax, T5X-native.',
     packages=setuptools.find_packages(include=['speculative_t5x', 'speculative_t5x.*']),
+    # The embedded model pair, its vocabulary, the gin configs and the caption sample: the
+    # commands the README prints need them from an installed wheel too (tests/test_packaging.py).
+    package_data={'speculative_t5x': ['pretrained/*.msgpack', 'vocab/*.model',
+                                      'gin_configs/**/*.gin', 'samples/*.txt']},
+    entry_points={'console_scripts': [
+        'speculative-t5x-translate = speculative_t5x.translate:main',
+        'speculative-t5x-infer = speculative_t5x.infer:run',
+        'speculative-t5x-train = speculative_t5x.train:run',
+    ]},
     python_requires='>=3.10',
     install_requires=[
         'jax>=0.4.30',

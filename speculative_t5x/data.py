@@ -27,6 +27,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+import speculative_t5x
+
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
@@ -88,7 +90,7 @@ def get_sentencepiece(path: str = str(VOCAB_PATH)):
 
 def get_vocabulary(path: str = str(VOCAB_PATH)):
   """The project vocabulary as a `seqio.SentencePieceVocabulary` (no extra ids: 8000 pieces)."""
-  import seqio  # pylint: disable=g-import-not-at-top  (seqio imports TensorFlow)
+  seqio = speculative_t5x.require('seqio', 'data', 'seqio vocabularies')  # imports TensorFlow
   return seqio.SentencePieceVocabulary(str(path), extra_ids=0)
 
 
@@ -290,7 +292,7 @@ class PackedBatches:
 
 def corpus_bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
   """sacrebleu corpus BLEU (13a tokenization, as sacrebleu's default) of detokenized text."""
-  import sacrebleu  # pylint: disable=g-import-not-at-top
+  sacrebleu = speculative_t5x.require('sacrebleu', 'data', 'BLEU scores')
   return float(sacrebleu.corpus_bleu(list(predictions), [list(references)]).score)
 
 
@@ -320,7 +322,7 @@ def _pair_dataset_fn(source: str, target: str, data_dir: Optional[os.PathLike]):
 
 def register_tasks(data_dir: Optional[os.PathLike] = None, overwrite: bool = True) -> List[str]:
   """Registers `multi30k_de_en` and `multi30k_en_de` in seqio's TaskRegistry; returns the names."""
-  import seqio  # pylint: disable=g-import-not-at-top
+  seqio = speculative_t5x.require('seqio', 'data', 'seqio tasks')
   vocabulary = get_vocabulary()
   features = {
       'inputs': seqio.Feature(vocabulary=vocabulary, add_eos=True),

@@ -5,6 +5,10 @@ r"""Gin-configured inference jobs, like `python -m t5x.infer`, for speculative a
     --gin_file=gin_configs/decoding/speculative_greedy.gin \
     --gin.INFER_OUTPUT_DIR="'/tmp/infer'"
 
+(or the `speculative-t5x-infer` command). Gin files, checkpoints, vocabularies and input files
+given as relative paths are found in the working directory first, then in the installed package
+(`gin_utils.resolve_path`), so the packaged configs work from any directory.
+
 Input: a seqio task (MIXTURE_OR_TASK_NAME, split) or a file (INPUT_FILE): plain text (one input
 per line), TSV (input, optional target) or JSONL ({"inputs": ..., "targets": ...}).
 Output, in INFER_OUTPUT_DIR, T5X's layout:
@@ -39,7 +43,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from absl import app
 from absl import flags
 from absl import logging
 import gin
@@ -47,15 +50,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import speculative_t5x
 from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
 from speculative_t5x import decoding
+from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
 
 PAD_ID = 0
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 _MODE = 'predict_with_aux'
 # How many skipped/truncated example positions the summary lists (the counts are complete).
 _MAX_LISTED = 50
@@ -84,14 +88,12 @@ class SentencePieceVocabulary:
   """A SentencePiece vocabulary without TensorFlow (the seqio class's name and arguments).
 
   Ids: pieces as in the model file (T5: pad 0, EOS 1, UNK 2), then `extra_ids` sentinels.
-  A relative path is tried against the working directory, then the repository root.
+  A relative path is tried against the working directory, then the package (`gin_utils.resolve_path`).
   """
 
   def __init__(self, sentencepiece_model_file: str, extra_ids: int = 0):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-    path = Path(sentencepiece_model_file)
-    if not path.is_absolute() and not path.exists() and (_REPO_ROOT / path).exists():
-      path = _REPO_ROOT / path
+    path = gin_utils.resolve_path(sentencepiece_model_file)
     if str(sentencepiece_model_file).startswith('gs://') or not path.is_file():
       raise InferError(f'vocabulary file not found: {sentencepiece_model_file} (a local '
                        'path is needed; copy gs:// files first)')
@@ -166,7 +168,7 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
   Raises InferError naming the line for undecodable bytes (not UTF-8), malformed JSON or a
   JSON line without a string "inputs".
   """
-  path = Path(path)
+  path = gin_utils.resolve_path(path)
   report = InputReport() if report is None else report
   try:
     raw = path.read_bytes()
@@ -219,7 +221,7 @@ def read_task(name: str, split: str, module: Optional[str] = None) -> List[Examp
   with gin.unlock_config():
     if module:
       importlib.import_module(module)
-    import seqio  # pylint: disable=g-import-not-at-top  (TensorFlow)
+    seqio = speculative_t5x.require('seqio', 'data', 'seqio tasks')  # imports TensorFlow
   try:
     provider = seqio.get_mixture_or_task(name)
   except ValueError as e:
@@ -322,9 +324,7 @@ def _load(path: Optional[str], config: network.T5Config, dtype: Optional[jnp.dty
           role: str) -> Any:
   if not path:
     raise InferError(f'{role.upper()}_CHECKPOINT_PATH is not set')
-  candidate = Path(path)
-  if not candidate.is_absolute() and not candidate.exists() and (_REPO_ROOT / path).exists():
-    candidate = _REPO_ROOT / path
+  candidate = gin_utils.resolve_path(path)
   try:
     # Reading a training run imports speculative_t5x.train, which registers gin
     # configurables; gin refuses that once the parsed config is locked.
@@ -638,13 +638,7 @@ def _bound_decode_kwargs(fn: Any, explicit: Mapping[str, Any]) -> Dict[str, Any]
 
 
 def _define_flags() -> None:
-  # train.py defines the same three flags; define them only once per process.
-  if 'gin_file' not in flags.FLAGS:
-    flags.DEFINE_multi_string('gin_file', [], 'Gin files to parse, in order.')
-  if 'gin_bindings' not in flags.FLAGS:
-    flags.DEFINE_multi_string('gin_bindings', [], 'Gin bindings, e.g. infer_script.infer.x=1.')
-  if 'gin_search_paths' not in flags.FLAGS:
-    flags.DEFINE_multi_string('gin_search_paths', ['.'], 'Folders searched for gin includes.')
+  gin_utils.define_gin_flags()
   for name, default, help_text in (
       ('coordinator_address', None, 'host:port of process 0 for jax.distributed (multi-host), '
        "or 'auto' where JAX discovers the cluster (Cloud TPU, SLURM)."),
@@ -652,28 +646,6 @@ def _define_flags() -> None:
       ('process_index', None, 'This process (jax.distributed).')):
     if name not in flags.FLAGS:
       flags.DEFINE_string(name, default, help_text)
-
-
-def rewrite_gin_args(argv: Sequence[str]) -> List[str]:
-  """Turns T5X's `--gin.NAME=VALUE` into `--gin_bindings=NAME = VALUE`."""
-  out = []
-  for arg in argv:
-    if arg.startswith('--gin.'):
-      name, sep, value = arg[len('--gin.'):].partition('=')
-      if not sep:
-        raise InferError(f'{arg}: expected --gin.NAME=VALUE')
-      out.append(f'--gin_bindings={name} = {value}')
-    else:
-      out.append(arg)
-  return out
-
-
-def _gin_error_line(e: Exception) -> str:
-  """Gin appends file/line context on further lines; keep the message and the location."""
-  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-  where = next((l for l in lines[1:] if l.startswith('In ') or 'line' in l), '')
-  return f'{lines[0]} ({where})' if where and where != lines[0] else (lines[0] if lines else
-                                                                     type(e).__name__)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -689,25 +661,22 @@ def main(argv: Sequence[str]) -> None:
       else:
         jax.distributed.initialize(flags_.coordinator_address, int(flags_.process_count),
                                    int(flags_.process_index))
-    for path in flags_.gin_search_paths + [str(_REPO_ROOT)]:
-      gin.add_config_file_search_path(path)
     try:
-      gin.parse_config_files_and_bindings(flags_.gin_file, flags_.gin_bindings)
+      gin_utils.parse_gin_flags(flags_.gin_file, flags_.gin_bindings, flags_.gin_search_paths)
     except (ValueError, KeyError, IOError, SyntaxError) as e:
-      raise InferError(f'gin config: {_gin_error_line(e)}') from None
+      raise InferError(f'gin config: {gin_utils.error_line(e)}') from None
     try:
       summary = infer()
-    except InferError:
+    except (InferError, speculative_t5x.MissingExtraError):
       raise
     except (ValueError, RuntimeError, TypeError) as e:
       # Errors raised while gin builds the configured objects (missing/invalid bindings,
       # draft/target mismatch in the model) carry gin's context lines.
       if 'gin' in str(e) or 'In call to configurable' in str(e) or isinstance(e, ValueError):
-        raise InferError(_gin_error_line(e)) from None
+        raise InferError(gin_utils.error_line(e)) from None
       raise
-  except InferError as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    sys.exit(1)
+  except (InferError, speculative_t5x.MissingExtraError) as e:
+    gin_utils.exit_with_error(str(e))
   if summary:
     keys = ('examples', 'alpha', 'tokens_per_target_call', 'sentences_per_second',
             'tokens_per_second', 'wall_seconds', 'compile_seconds')
@@ -715,16 +684,9 @@ def main(argv: Sequence[str]) -> None:
 
 
 def run() -> None:
-  # speculative_t5x.train defines --gin_file/--gin_bindings/--gin_search_paths at import, and
-  # reading a training-run checkpoint imports it; importing it first lets both share them.
-  from speculative_t5x import train  # pylint: disable=g-import-not-at-top,unused-import
+  """The `speculative-t5x-infer` command."""
   _define_flags()
-  try:
-    argv = rewrite_gin_args(sys.argv)
-  except InferError as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    sys.exit(1)
-  app.run(main, argv=argv)
+  gin_utils.run(main)
 
 
 if __name__ == '__main__':

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from absl import app
 from absl import flags
 import flax
 import gin
@@ -38,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import speculative_t5x
 from speculative_t5x import data
+from speculative_t5x import gin_utils
 from speculative_t5x import network
 
 Array = jnp.ndarray
@@ -47,10 +48,6 @@ PyTree = Any
 # Gin's handle on T5Config (`@network.T5Config()` in gin files); calling it applies the bindings.
 GinT5Config = gin.external_configurable(network.T5Config, module='network')
 
-_GIN_FILE = flags.DEFINE_multi_string('gin_file', [], 'Gin files to parse, in order.')
-_GIN_BINDINGS = flags.DEFINE_multi_string('gin_bindings', [], 'Gin bindings, e.g. train.x = 1.')
-_GIN_SEARCH_PATHS = flags.DEFINE_multi_string('gin_search_paths', ['.'],
-                                              'Folders searched for gin files and includes.')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,8 +225,9 @@ def restore_params(model_dir: os.PathLike, config: Optional[network.T5Config] = 
 
 
 def load_model(source: os.PathLike) -> Tuple[network.T5Config, PyTree]:
-  """A model from an exported weights file or a training run's folder."""
-  source = Path(source)
+  """A model from an exported weights file or a training run's folder (packaged files too, as
+  `gin_utils.resolve_path` finds them: 'speculative_t5x/pretrained/...')."""
+  source = gin_utils.resolve_path(source)
   if source.is_file():
     config, params, _ = load_weights(source)
   else:
@@ -349,7 +347,7 @@ def load_examples(split: str, source_language: str, target_language: str,
     inputs, targets = data.tokenize_pairs(sources, references, max_input_length,
                                           max_target_length)
     return sources, references, inputs, targets
-  import seqio  # pylint: disable=g-import-not-at-top  (TensorFlow: only on this path)
+  seqio = speculative_t5x.require('seqio', 'data', 'seqio tasks')  # TensorFlow: only this path
   if mixture_or_task_name not in seqio.TaskRegistry.names():
     data.register_tasks(data_dir)
   task = seqio.get_mixture_or_task(mixture_or_task_name)
@@ -673,25 +671,23 @@ def train(*,
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  for path in _GIN_SEARCH_PATHS.value:
-    gin.add_config_file_search_path(path)
-  gin.parse_config_files_and_bindings(_GIN_FILE.value, _GIN_BINDINGS.value)
-  results = train()
+  try:
+    gin_utils.parse_gin_flags(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings,
+                              flags.FLAGS.gin_search_paths)
+  except (ValueError, KeyError, IOError, SyntaxError) as e:
+    gin_utils.exit_with_error(f'gin config: {gin_utils.error_line(e)}')
+  try:
+    results = train()
+  except speculative_t5x.MissingExtraError as e:
+    gin_utils.exit_with_error(str(e))
   results.pop('state', None)
   print(json.dumps(results, indent=2), flush=True)
 
 
-def _rewrite_gin_flags(argv: List[str]) -> List[str]:
-  """Turns T5X's `--gin.NAME=VALUE` flags into `--gin_bindings=NAME=VALUE`."""
-  out = []
-  for arg in argv:
-    if arg.startswith('--gin.'):
-      name, _, value = arg[len('--gin.'):].partition('=')
-      out.append(f'--gin_bindings={name}={value}')
-    else:
-      out.append(arg)
-  return out
+def run() -> None:
+  """The `speculative-t5x-train` command."""
+  gin_utils.run(main)
 
 
 if __name__ == '__main__':
-  app.run(main, argv=_rewrite_gin_flags(sys.argv))
+  run()

@@ -10,7 +10,7 @@ from speculative_t5x import infer  # registers the configurables
 from speculative_t5x import network
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = REPO / 'gin_configs'
+CONFIGS = REPO / 'speculative_t5x' / 'gin_configs'
 
 # T5X's t5x/examples/t5/{t5_1_1,mt5}/*.gin: emb_dim, num_heads, encoder/decoder layers,
 # head_dim, mlp_dim.
@@ -24,6 +24,7 @@ T5X_SIZES = {
 def clean_gin():
   gin.clear_config()
   gin.add_config_file_search_path(str(REPO))
+  gin.add_config_file_search_path(str(REPO / 'speculative_t5x'))  # 'gin_configs/...' includes
   yield
   gin.clear_config()
 
@@ -81,12 +82,15 @@ def test_decoding_configs_bind_the_decoder(name, fn, expect):
     assert gin.query_parameter(f'decoding.{fn}.{key}') == value
 
 
-def test_infer_run_config_builds_the_multi30k_model():
+@pytest.mark.parametrize('run,source', [
+    ('infer_multi30k', ('INPUT_FILE', 'speculative_t5x/samples/captions_de.txt')),
+    ('infer_multi30k_test', ('MIXTURE_OR_TASK_NAME', 'multi30k_de_en'))])
+def test_infer_run_config_builds_the_multi30k_model(run, source):
   gin.parse_config_files_and_bindings(
-      [str(CONFIGS / 'runs' / 'infer_multi30k.gin'),
-       str(CONFIGS / 'decoding' / 'speculative_greedy.gin')],
+      [str(CONFIGS / 'runs' / f'{run}.gin'), str(CONFIGS / 'decoding' / 'speculative_greedy.gin')],
       ["INFER_OUTPUT_DIR = '/tmp/unused'"])
-  for macro, value in (('MIXTURE_OR_TASK_NAME', 'multi30k_de_en'),
+  other = 'MIXTURE_OR_TASK_NAME' if source[0] == 'INPUT_FILE' else 'INPUT_FILE'
+  for macro, value in (source, (other, None),
                        ('TASK_FEATURE_LENGTHS', {'inputs': 64, 'targets': 64})):
     assert gin.query_parameter(f'{macro}/macro.value') == value
   assert 'TARGET_CHECKPOINT_PATH' in gin.config_str()

@@ -13,6 +13,7 @@ import pytest
 
 from speculative_t5x import checkpoints
 from speculative_t5x import decoding
+from speculative_t5x import gin_utils
 from speculative_t5x import infer
 from speculative_t5x import models
 from speculative_t5x import network
@@ -345,7 +346,7 @@ def test_changed_config_does_not_mix_with_partial_run(setup, tmp_path):
 
 
 def test_rewrite_gin_args():
-  assert infer.rewrite_gin_args(['prog', '--gin.A=1', '--gin_file=x', "--gin.b.c='d=e'"]) == [
+  assert gin_utils.rewrite_gin_args(['prog', '--gin.A=1', '--gin_file=x', "--gin.b.c='d=e'"]) == [
       'prog', '--gin_bindings=A = 1', '--gin_file=x', "--gin_bindings=b.c = 'd=e'"]
-  with pytest.raises(infer.InferError, match='expected --gin.NAME=VALUE'):
-    infer.rewrite_gin_args(['--gin.A'])
+  with pytest.raises(ValueError, match='expected --gin.NAME=VALUE'):
+    gin_utils.rewrite_gin_args(['--gin.A'])
