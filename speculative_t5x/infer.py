@@ -675,8 +675,10 @@ def main(argv: Sequence[str]) -> None:
       if 'gin' in str(e) or 'In call to configurable' in str(e) or isinstance(e, ValueError):
         raise InferError(gin_utils.error_line(e)) from None
       raise
-  except (InferError, speculative_t5x.MissingExtraError) as e:
+  except InferError as e:
     gin_utils.exit_with_error(str(e))
+  except speculative_t5x.MissingExtraError as e:
+    gin_utils.exit_with_error(str(e).splitlines()[0])  # without gin's context lines
   if summary:
     keys = ('examples', 'alpha', 'tokens_per_target_call', 'sentences_per_second',
             'tokens_per_second', 'wall_seconds', 'compile_seconds')

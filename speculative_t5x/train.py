@@ -679,7 +679,7 @@ def main(argv: Sequence[str]) -> None:
   try:
     results = train()
   except speculative_t5x.MissingExtraError as e:
-    gin_utils.exit_with_error(str(e))
+    gin_utils.exit_with_error(str(e).splitlines()[0])  # without gin's context lines
   results.pop('state', None)
   print(json.dumps(results, indent=2), flush=True)
 

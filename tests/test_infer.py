@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import speculative_t5x
 from speculative_t5x import checkpoints
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
@@ -316,6 +317,15 @@ def test_missing_checkpoint_and_input(setup, tmp_path):
     _infer(setup, tmp_path / 'o2', tmp_path / 'missing.txt')
   with pytest.raises(infer.InferError, match='exactly one of MIXTURE_OR_TASK_NAME'):
     _infer(setup, tmp_path / 'o3', setup / 'in.txt', mixture_or_task_name='multi30k_de_en')
+
+
+def test_seqio_task_without_the_data_extra_names_it(setup, tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'seqio', None)  # as if not installed: import raises
+  with pytest.raises(speculative_t5x.MissingExtraError,
+                     match=r"^seqio tasks need: pip install 'speculative_t5x\[data\]'"):
+    infer.infer(model=_model(), output_dir=str(tmp_path / 'out'),
+                target_checkpoint_path=str(setup / 'target'), mixture_or_task_name='multi30k_de_en',
+                task_feature_lengths={'inputs': 32, 'targets': 10}, progress=False)
 
 
 def test_read_input_formats(tmp_path):
