@@ -594,7 +594,16 @@ def init_params(config: T5Config, rng: Optional[jax.Array] = None, batch_size: i
                 encoder_length: int = 8, decoder_length: int = 8) -> Tuple[Any, Any]:
   """Random parameters and their logical axes: (params, params_axes) as T5X's init gives them."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
+  variables = _init_variables(config, rng, batch_size, encoder_length, decoder_length)
+  return variables['params'], variables['params_axes']
+
+
+# The config and shapes are static arguments, so jax's compilation cache serves every later call
+# with the same config (jitting a fresh module's bound `init` would compile the whole network
+# again each time: seconds per call on a CPU).
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _init_variables(config: T5Config, rng: jax.Array, batch_size: int, encoder_length: int,
+                    decoder_length: int) -> Any:
   enc = jnp.ones((batch_size, encoder_length), jnp.int32)
   dec = jnp.ones((batch_size, decoder_length), jnp.int32)
-  variables = jax.jit(Transformer(config).init)(rng, enc, dec, dec)
-  return variables['params'], variables['params_axes']
+  return Transformer(config).init(rng, enc, dec, dec)
