@@ -7,16 +7,21 @@ Formats read by `load_t5x_checkpoint` (detected from what is on disk, not from n
     'state': ...}}`. Each leaf is either an inline array or a tensorstore spec dict naming a zarr
     array by a path relative to the checkpoint directory (one directory per array, named
     `target.<dotted param path>`).
-  * T5X Orbax: `checkpoint_<step>/state/`, an Orbax PyTree checkpoint (OCDBT) whose tree is
-    `{'target': params, 'state': {'step': ..., 'param_states': ...}}`. Only `target` is read.
+  * T5X Orbax (`OrbaxCheckpointManagerInterface`, T5X's default): `checkpoint_<step>/` holding
+    Orbax's step metadata, a `dataset/` item and `state/`, an Orbax PyTree checkpoint (OCDBT,
+    zarr arrays) whose tree is `{'target': params, 'state': {'step': ..., 'param_states': ...}}`.
+    Only `target` is returned; the optimizer slots are not even read where Orbax supports
+    partial restore.
   * The project's own format (`save_params`): that same Orbax tree written to one directory,
     `{'target': params, 'state': {'step': step}}`, so T5X-side tooling and this loader share one
     reader.
 
 A path may name the checkpoint file, a `checkpoint_<step>` directory, an Orbax tree directory, or
-a model directory holding `checkpoint_<step>` directories (the highest step is taken). Only local
-filesystem paths are supported. Parameters come back as a nested dict of numpy arrays in the
-tree of `network.init_params`, e.g. `params['encoder']['layers_0']['attention']['query']['kernel']`.
+a model directory holding `checkpoint_<step>` directories (the highest step is taken). Both T5X
+layouts are tested against checkpoints written by T5X itself. Only local filesystem paths are
+supported (a gs:// path is a one-line ValueError). Parameters come back as a nested dict of
+numpy arrays in the tree of `network.init_params`, e.g.
+`params['encoder']['layers_0']['attention']['query']['kernel']`.
 """
 
 from __future__ import annotations

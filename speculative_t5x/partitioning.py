@@ -74,8 +74,8 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
   if parameter_partitioning_dims == 2:
     split_embed.append(('embed', 'data'))
   rules = [('batch', 'data'), ('vocab', 'model')]
-  # Only the 1-D layout pins embed as replicated, and it does so before the mlp/heads rules;
-  # the 2-D layouts try embed last so that it never takes 'model' from a wider axis.
+  # Only the 1-D layout pins embed as replicated, before the mlp/heads rules. The 2-D layouts
+  # try embed last, so in a kernel [embed, mlp] mlp claims 'model' and embed gets what is left.
   if not split_embed:
     rules.append(('embed', None))
   rules += [('mlp', 'model'), ('heads', 'model'), ('kv', None), ('joined_kv', 'model')]
@@ -121,13 +121,14 @@ def create_mesh(mesh_shape: Optional[Tuple[int, int]] = None, num_partitions: in
 def device_grid(devices: Sequence[Any], mesh_shape: Tuple[int, int]) -> np.ndarray:
   """The [data, model] object array of `devices` that `create_mesh` builds its Mesh from.
 
-  Uses `jax.experimental.mesh_utils`, as T5X's `default_mesh` does: one fast-interconnect
-  domain (a TPU slice; on GPU, one host) gets `create_device_mesh`, which maps 'model', the
-  axis with the most traffic, onto TPU torus axes or consecutive GPU ids. Several GPU hosts or
-  TPU slices get `create_hybrid_device_mesh`, 'model' inside a domain as far as it fits (T5X's
-  GPU mesh). CPU devices have no topology; they are taken process-major, then by id (T5X's CPU
-  mesh). Device sets that mesh_utils cannot lay out (e.g. a TPU subset that is not a cuboid)
-  fall back to that plain order with a warning.
+  The layout goals are those of T5X's `default_mesh`, reached through
+  `jax.experimental.mesh_utils`: one fast-interconnect domain (a TPU slice; on GPU, one host)
+  gets `create_device_mesh`, which maps 'model', the axis with the most traffic, onto whole TPU
+  torus axes (T5X's `get_mesh` does this by hand from device coordinates) or onto consecutive
+  GPU ids. Several GPU hosts or TPU slices get `create_hybrid_device_mesh` with 'model' inside a
+  domain as far as it fits, which is T5X's GPU mesh. CPU devices have no topology and are taken
+  process-major, then by id, as in T5X's CPU mesh. Device sets that mesh_utils cannot lay out
+  (e.g. a TPU subset that is not a cuboid) fall back to that plain order with a warning.
   """
   # Process-major order: T5X's CPU layout, and the order mesh_utils expects its input in.
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
