@@ -7,16 +7,21 @@ Formats read by `load_t5x_checkpoint` (detected from what is on disk, not from n
     'state': ...}}`. Each leaf is either an inline array or a tensorstore spec dict naming a zarr
     array by a path relative to the checkpoint directory (one directory per array, named
     `target.<dotted param path>`).
-  * T5X Orbax: `checkpoint_<step>/state/`, an Orbax PyTree checkpoint (OCDBT) whose tree is
-    `{'target': params, 'state': {'step': ..., 'param_states': ...}}`. Only `target` is read.
+  * T5X Orbax (`OrbaxCheckpointManagerInterface`, T5X's default): `checkpoint_<step>/` holding
+    Orbax's step metadata, a `dataset/` item and `state/`, an Orbax PyTree checkpoint (OCDBT,
+    zarr arrays) whose tree is `{'target': params, 'state': {'step': ..., 'param_states': ...}}`.
+    Only `target` is returned; the optimizer slots are not even read where Orbax supports
+    partial restore.
   * The project's own format (`save_params`): that same Orbax tree written to one directory,
     `{'target': params, 'state': {'step': step}}`, so T5X-side tooling and this loader share one
     reader.
 
 A path may name the checkpoint file, a `checkpoint_<step>` directory, an Orbax tree directory, or
-a model directory holding `checkpoint_<step>` directories (the highest step is taken). Only local
-filesystem paths are supported. Parameters come back as a nested dict of numpy arrays in the
-tree of `network.init_params`, e.g. `params['encoder']['layers_0']['attention']['query']['kernel']`.
+a model directory holding `checkpoint_<step>` directories (the highest step is taken). Both T5X
+layouts are tested against checkpoints written by T5X itself. Only local filesystem paths are
+supported (a gs:// path is a one-line ValueError). Parameters come back as a nested dict of
+numpy arrays in the tree of `network.init_params`, e.g.
+`params['encoder']['layers_0']['attention']['query']['kernel']`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from etils import epath
 from flax import traverse_util
 
 from speculative_t5x import network
@@ -80,7 +86,7 @@ def load_t5x_checkpoint(path: PathLike, config: Optional[network.T5Config] = Non
     ValueError: `path` holds no T5X checkpoint, an array it names cannot be read, or the tree
       does not match `config` (one line naming the first differing parameter).
   """
-  source = _find_checkpoint(Path(path))
+  source = _find_checkpoint(_local_path(path))
   if _is_orbax_tree(source):
     params = _read_orbax_target(source)
   else:
@@ -101,7 +107,7 @@ def load_checkpoint(path: PathLike, config: Optional[network.T5Config] = None,
   Raises FileNotFoundError for a missing path and a one-line ValueError for anything
   unreadable or not matching `config`.
   """
-  path = Path(path).absolute()
+  path = _local_path(path)
   if not path.exists():
     raise FileNotFoundError(f'No such checkpoint: {path}')
   if path.is_dir() and (path / 'config.json').is_file():
@@ -151,9 +157,8 @@ def save_params(path: PathLike, params: Params, step: int = 0, overwrite: bool =
   path = Path(path).absolute()
   if path.exists() and not overwrite:
     raise FileExistsError(f'Refusing to overwrite existing checkpoint directory {path}')
-  tree = {'target': params, 'state': {'step': np.asarray(step, np.int32)}}
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True))
-  checkpointer.save(path, args=ocp.args.PyTreeSave(tree), force=overwrite)
+  checkpointer.save(path, args=ocp.args.PyTreeSave(_orbax_tree(params, step)), force=overwrite)
   return path
 
 
@@ -164,7 +169,7 @@ def load_params(path: PathLike, config: Optional[network.T5Config] = None,
   `config` and `dtype` act as in `load_t5x_checkpoint`. Raises FileNotFoundError for a missing
   path and ValueError for a directory that is not such a checkpoint.
   """
-  path = Path(path).absolute()
+  path = _local_path(path)
   if not path.exists():
     raise FileNotFoundError(f'No such checkpoint: {path}')
   if not _is_orbax_tree(path):
@@ -243,19 +248,45 @@ def save_t5x_legacy_checkpoint(directory: PathLike, params: Params, step: int = 
 
 
 def save_t5x_orbax_checkpoint(directory: PathLike, params: Params, step: int = 0) -> Path:
-  """Writes `params` as T5X's Orbax checkpoint `<directory>/checkpoint_<step>/state`.
+  """Writes `params` as T5X's Orbax checkpoint `<directory>/checkpoint_<step>/`; returns that.
 
-  The tree is `{'target': params, 'state': {'step': step}}` (PyTreeCheckpointHandler,
-  use_ocdbt=True), which is also the project's format. Returns the `checkpoint_<step>` directory.
+  Layout as T5X's `OrbaxCheckpointManagerInterface`: the step directory holds Orbax's step
+  metadata (`_CHECKPOINT_METADATA`) and the item `state/`, an OCDBT PyTree checkpoint of
+  `{'target': params, 'state': {'step': int32}}` (the tree `save_params` writes on its own).
   Exists to test the reader; no optimizer slots or dataset item are written.
   """
   step_dir = Path(directory).absolute() / f'checkpoint_{step}'
-  save_params(step_dir / _ORBAX_ITEM, params, step=step)
+  if step_dir.exists():
+    raise FileExistsError(f'Refusing to overwrite existing checkpoint directory {step_dir}')
+  # A composite of one item, as T5X's checkpoint manager writes it: the step metadata goes in
+  # the step directory, not inside `state/`.
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+      **{_ORBAX_ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True)}))
+  # T5X saves jax.Arrays, whose shardings Orbax records (`_sharding`, `array_metadatas/`);
+  # numpy leaves would be stored as a different value type. Leaves JAX would change the dtype
+  # of (64-bit ones without jax_enable_x64) stay numpy.
+  tree = jax.tree.map(
+      lambda x: jax.device_put(x) if jax.dtypes.canonicalize_dtype(np.result_type(x)) ==
+      np.result_type(x) else x, _orbax_tree(params, step))
+  checkpointer.save(step_dir, args=ocp.args.Composite(**{_ORBAX_ITEM: ocp.args.PyTreeSave(tree)}))
   return step_dir
+
+
+def _orbax_tree(params: Params, step: int) -> Dict[str, Any]:
+  return {'target': params, 'state': {'step': np.asarray(step, np.int32)}}
 
 
 # ------------------------------------------------------------------------------------------------
 # Locating a checkpoint.
+
+
+def _local_path(path: PathLike) -> Path:
+  """`path` as an absolute local path; a one-line ValueError for URLs such as gs://."""
+  text = os.fspath(path)
+  if '://' in text:
+    raise ValueError(f'{text}: only local checkpoint paths are supported; copy the checkpoint '
+                     'directory to local disk first')
+  return Path(text).expanduser().absolute()
 
 
 def _is_orbax_tree(path: Path) -> bool:
@@ -271,7 +302,6 @@ def _step_dirs(path: Path) -> Iterator[Tuple[int, Path]]:
 
 def _find_checkpoint(path: Path) -> Path:
   """Resolves `path` to a legacy msgpack file or an Orbax tree directory."""
-  path = path.absolute()
   if not path.exists():
     raise FileNotFoundError(f'No such checkpoint: {path}')
   if path.is_file() or _is_orbax_tree(path):
@@ -357,7 +387,10 @@ def _read_orbax_target(path: Path) -> Params:
   """Restores only the `target` subtree of an Orbax PyTree checkpoint, as numpy arrays."""
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
   try:
-    metadata = checkpointer.metadata(path)
+    # The handler's own metadata, not the Checkpointer's: T5X keeps the step metadata one level
+    # up (`checkpoint_<step>/_CHECKPOINT_METADATA`), and the Checkpointer warns when it is not
+    # inside the item directory.
+    metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(path))
   except Exception as e:  # Orbax raises assorted errors for unreadable metadata.
     raise ValueError(f'{path} is not a T5X checkpoint (unreadable Orbax metadata: {e})') from e
   # Orbax versions differ in how much wrapping the metadata tree has.
@@ -415,6 +448,5 @@ def _zarr_spec(relative_path: str, value: np.ndarray) -> Dict[str, Any]:
           'chunks': chunks,
           'compressor': {'id': 'gzip', 'level': 1},
           'shape': list(value.shape),
-          'dimension_separator': '.',
       },
   }

@@ -24,6 +24,7 @@ from flax.linen import partitioning as nn_partitioning
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from speculative_t5x import network
@@ -38,36 +39,64 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
                                 parameter_partitioning_dims: int = 1,
                                 additional_rules: Optional[Sequence[Tuple[str, Optional[str]]]]
                                 = None) -> LogicalAxisRules:
-  """T5X's default logical-name -> mesh-axis rules (1-D or 2-D activation/parameter sharding).
+  """T5X's default logical-name -> mesh-axis rules, in T5X's order.
+
+  The rules are priority-ordered. Resolving an array's logical names (flax's
+  `logical_to_mesh_axes`) walks them once, front to back: a rule assigns its mesh axis to the
+  array axis with that name only while that axis is still unassigned and no other axis of the
+  same array already uses that mesh axis. Hence the first applicable rule for a name wins, and a
+  `(name, None)` rule settles `name` as replicated for good.
 
   With (1, 1): batch over 'data'; vocab, mlp, heads and joined_kv over 'model'; embed and kv
-  replicated. activation_partitioning_dims=2 also splits activations' embed over 'model';
-  parameter_partitioning_dims=2 splits parameters' embed over 'data' (2-D weight sharding).
-  `additional_rules` come first, so they take precedence (flax uses the first matching rule).
+  replicated. activation_partitioning_dims=2 puts embed over 'model' and
+  parameter_partitioning_dims=2 puts embed over 'data' (both: 'model' first, 'data' as the
+  fallback). Those embed rules come after mlp/heads/joined_kv, so a kernel [embed, mlp] keeps
+  its mlp axis on 'model' and its embed axis only gets a mesh axis that is still free.
+
+  Args:
+    activation_partitioning_dims: 1 or 2.
+    parameter_partitioning_dims: 1 or 2.
+    additional_rules: appended after the standard rules, as T5X does. They can therefore only
+      decide what the standard rules leave open: names the standard rules do not mention, or a
+      fallback mesh axis for a name whose standard rule found its mesh axis taken (e.g.
+      ('embed', 'data') with activation_partitioning_dims=2). They cannot override a standard
+      rule; for that, give `Partitioner(logical_axis_rules=...)` a complete list.
+
+  Returns:
+    Tuple of (logical name, mesh axis or None) pairs.
   """
   if activation_partitioning_dims not in (1, 2) or parameter_partitioning_dims not in (1, 2):
     raise ValueError('activation_partitioning_dims and parameter_partitioning_dims must be 1 or '
                      f'2, got {activation_partitioning_dims} and {parameter_partitioning_dims}.')
-  rules = [('batch', 'data'), ('vocab', 'model')]
+  split_embed = []
   if activation_partitioning_dims == 2:
-    rules.append(('embed', 'model'))
+    split_embed.append(('embed', 'model'))
   if parameter_partitioning_dims == 2:
-    rules.append(('embed', 'data'))
-  rules += [('embed', None), ('mlp', 'model'), ('heads', 'model'), ('kv', None),
-            ('joined_kv', 'model')]
+    split_embed.append(('embed', 'data'))
+  rules = [('batch', 'data'), ('vocab', 'model')]
+  # Only the 1-D layout pins embed as replicated, before the mlp/heads rules. The 2-D layouts
+  # try embed last, so in a kernel [embed, mlp] mlp claims 'model' and embed gets what is left.
+  if not split_embed:
+    rules.append(('embed', None))
+  rules += [('mlp', 'model'), ('heads', 'model'), ('kv', None), ('joined_kv', 'model')]
+  rules += split_embed
   rules += [('relpos_buckets', None), ('abspos_buckets', None), ('length', None),
             ('layers', None), ('stack', None), ('mlp_activations', None)]
-  return tuple(additional_rules or ()) + tuple(rules)
+  rules += [tuple(rule) for rule in additional_rules or ()]
+  return tuple(rules)
 
 
 def create_mesh(mesh_shape: Optional[Tuple[int, int]] = None, num_partitions: int = 1,
                 devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A 2-D Mesh over ('data', 'model').
+  """A 2-D Mesh over ('data', 'model'), laid out on the interconnect as T5X lays it out.
 
   mesh_shape: (data, model) sizes whose product is the number of devices; default
     (devices / num_partitions, num_partitions). A -1 entry is inferred.
-  devices: default `jax.devices()` (all processes' devices, process-major, so each host's
-    devices form contiguous 'data' rows and 'model' groups stay within a host when they fit).
+  devices: default `jax.devices()` (all processes' devices).
+
+  The placement follows `device_grid`: on TPU each 'model' group is a compact block of the
+  physical torus, on GPU it stays inside a host's NVLink domain when it fits, and on CPU devices
+  are taken in process-major order.
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
@@ -86,9 +115,47 @@ def create_mesh(mesh_shape: Optional[Tuple[int, int]] = None, num_partitions: in
   if math.prod(mesh_shape) != n:
     raise ValueError(f'mesh_shape {mesh_shape} needs {math.prod(mesh_shape)} devices, '
                      f'but {n} are available.')
-  # Sort by process, then id: jax.devices() order is not guaranteed to group hosts.
+  return Mesh(device_grid(devices, mesh_shape), MESH_AXES)
+
+
+def device_grid(devices: Sequence[Any], mesh_shape: Tuple[int, int]) -> np.ndarray:
+  """The [data, model] object array of `devices` that `create_mesh` builds its Mesh from.
+
+  The layout goals are those of T5X's `default_mesh`, reached through
+  `jax.experimental.mesh_utils`: one fast-interconnect domain (a TPU slice; on GPU, one host)
+  gets `create_device_mesh`, which maps 'model', the axis with the most traffic, onto whole TPU
+  torus axes (T5X's `get_mesh` does this by hand from device coordinates) or onto consecutive
+  GPU ids. Several GPU hosts or TPU slices get `create_hybrid_device_mesh` with 'model' inside a
+  domain as far as it fits, which is T5X's GPU mesh. CPU devices have no topology and are taken
+  process-major, then by id, as in T5X's CPU mesh. Device sets that mesh_utils cannot lay out
+  (e.g. a TPU subset that is not a cuboid) fall back to that plain order with a warning.
+  """
+  # Process-major order: T5X's CPU layout, and the order mesh_utils expects its input in.
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-  return Mesh(np.asarray(devices, dtype=object).reshape(mesh_shape), MESH_AXES)
+  model = mesh_shape[1]
+  platform = devices[-1].platform
+  try:
+    if platform == 'cpu':
+      return mesh_utils.create_device_mesh(mesh_shape, devices)
+    domain = ((lambda d: getattr(d, 'slice_index', 0)) if platform == 'tpu'
+              else (lambda d: d.process_index))
+    num_domains = len({domain(d) for d in devices})
+    if num_domains == 1:
+      return mesh_utils.create_device_mesh(mesh_shape, devices, allow_split_physical_axes=True)
+    per_domain = len(devices) // num_domains
+    inner_model = min(model, per_domain)
+    if per_domain % inner_model or model % inner_model or num_domains % (model // inner_model):
+      raise ValueError(f"'model' size {model} is neither a factor nor a multiple of the "
+                       f'{per_domain} devices per host/slice')
+    inner = (per_domain // inner_model, inner_model)
+    outer = (num_domains // (model // inner_model), model // inner_model)
+    return mesh_utils.create_hybrid_device_mesh(
+        inner, outer, devices, process_is_granule=platform != 'tpu',
+        allow_split_physical_axes=True)
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    logging.warning('mesh_utils cannot lay out a %s mesh over these %d %s devices (%s); using '
+                    'plain device order.', mesh_shape, len(devices), platform, e)
+    return np.asarray(devices, dtype=object).reshape(mesh_shape)
 
 
 def _spec_for_shape(logical: Optional[Sequence[Optional[str]]], shape: Sequence[int],
@@ -255,8 +322,13 @@ class Partitioner:
   """The mesh and rules of one job (gin: `partitioning.Partitioner`, T5X's PjitPartitioner role).
 
   num_partitions: devices per model replica ('model' size); ignored when `mesh_shape` is given.
-  mesh_shape: (data, model); -1 in one entry is inferred from the device count.
-  logical_axis_rules: default `standard_logical_axis_rules()`.
+  mesh_shape: (data, model); -1 in one entry is inferred from the device count. The mesh is
+    built lazily by `create_mesh` (topology-aware, see `device_grid`).
+  logical_axis_rules: the complete, priority-ordered rule list (first applicable rule per name
+    wins, as in T5X's PjitPartitioner); default `standard_logical_axis_rules()`. Extra rules
+    given through `standard_logical_axis_rules(additional_rules=...)` (gin:
+    `partitioning.standard_logical_axis_rules.additional_rules`) come after the standard ones,
+    exactly as in T5X, so T5X gin files resolve to the same shardings here.
   """
 
   def __init__(self, num_partitions: int = 1, mesh_shape: Optional[Tuple[int, int]] = None,

@@ -158,6 +158,115 @@ def test_tiny_t5x_checkpoint_reproduces_t5x_outputs(t5x_data):
 
 
 # ------------------------------------------------------------------------------------------------
+# Checkpoints written by a real T5X install (shared data `t5x/orbax`, `t5x/legacy_zarr`): the same
+# parameters as `test_t5_tiny.checkpoint_0`, with Adafactor slots beside them.
+
+
+@pytest.fixture(scope='module')
+def t5x_written(t5x_data) -> Path:
+  needed = [t5x_data / 'orbax' / 'checkpoint_0' / 'state', t5x_data / 'legacy_zarr' /
+            'checkpoint_0' / 'checkpoint']
+  absent = [str(p) for p in needed if not p.exists()]
+  if absent:
+    pytest.skip(f'checkpoints written by T5X not found ({", ".join(absent)}); set '
+                'SPECULATIVE_T5X_DATA to a shared data folder that has t5x/orbax and '
+                't5x/legacy_zarr')
+  return t5x_data
+
+
+@pytest.fixture(scope='module')
+def tiny_params(t5x_data):
+  return checkpoints.load_t5x_checkpoint(t5x_data / 'test_t5_tiny.checkpoint_0', TINY)
+
+
+# What T5X users pass: the step directory (with or without a trailing slash), the model directory
+# above it, or the item itself (Orbax `state/`, the legacy msgpack file).
+_T5X_FORMS = {
+    'step_dir': lambda d: d / 'checkpoint_0',
+    'step_dir_slash': lambda d: f"{d / 'checkpoint_0'}/",
+    'model_dir': lambda d: d,
+    'item': lambda d: d / 'checkpoint_0' / ('state' if d.name == 'orbax' else 'checkpoint'),
+}
+
+
+@pytest.mark.parametrize('form', sorted(_T5X_FORMS))
+@pytest.mark.parametrize('layout', ['orbax', 'legacy_zarr'])
+@pytest.mark.parametrize('load', [checkpoints.load_checkpoint, checkpoints.load_t5x_checkpoint],
+                         ids=['load_checkpoint', 'load_t5x_checkpoint'])
+def test_checkpoints_written_by_t5x_load_exactly(t5x_written, tiny_params, layout, form, load):
+  path = _T5X_FORMS[form](t5x_written / layout)
+  loaded = load(path, TINY)
+  # Same tree, dtypes and shapes, max abs diff 0; no optimizer slot leaks into the params.
+  _assert_trees_equal(loaded, tiny_params)
+  assert len(_flat(loaded)) == 52
+
+
+def test_t5x_orbax_checkpoint_loads_without_orbax_warnings(t5x_written, caplog):
+  # T5X keeps Orbax's step metadata beside `state/`; reading `state/` must not complain that
+  # there is none inside it.
+  with caplog.at_level('WARNING'):
+    checkpoints.load_t5x_checkpoint(t5x_written / 'orbax' / 'checkpoint_0')
+  assert not [r for r in caplog.records if r.levelname == 'WARNING'], caplog.text
+
+
+def _spec_leaves(tree):
+  return _flat(traverse_util.unflatten_dict(traverse_util.flatten_dict(
+      tree, is_leaf=lambda _, v: isinstance(v, dict) and 'driver' in v)))
+
+
+def test_legacy_writer_reproduces_t5x_layout(t5x_written, tiny_params, tmp_path):
+  real = t5x_written / 'legacy_zarr' / 'checkpoint_0'
+  ours = checkpoints.save_t5x_legacy_checkpoint(tmp_path, tiny_params)
+  real_msgpack = flax.serialization.msgpack_restore((real / 'checkpoint').read_bytes())
+  our_msgpack = flax.serialization.msgpack_restore((ours / 'checkpoint').read_bytes())
+  assert our_msgpack['version'] == real_msgpack['version'] == 3
+  real_step = real_msgpack['optimizer']['state']['step']
+  our_step = our_msgpack['optimizer']['state']['step']
+  assert our_step.dtype == real_step.dtype and our_step == real_step
+  # Every target leaf is the same TensorStore spec, relative path included.
+  assert _spec_leaves(our_msgpack['optimizer']['target']) == _spec_leaves(
+      real_msgpack['optimizer']['target'])
+  # The same zarr folders (T5X also writes `state.param_states.*` ones, which are not params),
+  # with byte-identical .zarray metadata.
+  folders = sorted(p.name for p in ours.iterdir() if p.is_dir())
+  assert folders == sorted(p.name for p in real.iterdir() if p.name.startswith('target.'))
+  for folder in folders:
+    assert (ours / folder / '.zarray').read_text() == (real / folder / '.zarray').read_text()
+    assert sorted(os.listdir(ours / folder)) == sorted(os.listdir(real / folder))
+
+
+def test_orbax_writer_reproduces_t5x_layout(t5x_written, tiny_params, tmp_path):
+  real = t5x_written / 'orbax' / 'checkpoint_0'
+  ours = checkpoints.save_t5x_orbax_checkpoint(tmp_path, tiny_params)
+  # T5X also writes an (empty) `dataset` item; there is no input pipeline state here.
+  assert sorted(os.listdir(ours)) == sorted(set(os.listdir(real)) - {'dataset'})
+  assert sorted(os.listdir(ours / 'state')) == sorted(os.listdir(real / 'state'))
+  handlers = json.loads((ours / '_CHECKPOINT_METADATA').read_text())['item_handlers']
+  assert handlers['state'] == json.loads(
+      (real / '_CHECKPOINT_METADATA').read_text())['item_handlers']['state']
+  real_tree = json.loads((real / 'state' / '_METADATA').read_text())['tree_metadata']
+  our_tree = json.loads((ours / 'state' / '_METADATA').read_text())['tree_metadata']
+  real_kept = {k: v for k, v in real_tree.items() if 'param_states' not in k}
+  assert sorted(our_tree) == sorted(real_kept)
+  for key, value in real_kept.items():
+    assert our_tree[key]['value_metadata'] == value['value_metadata'], key
+
+
+def test_t5x_step_dir_without_params_is_a_one_line_error(tmp_path):
+  # What an interrupted or foreign job leaves: a step directory holding only T5X's dataset item.
+  step_dir = tmp_path / 'model' / 'checkpoint_100'
+  (step_dir / 'dataset').mkdir(parents=True)
+  for path in (step_dir, tmp_path / 'model'):
+    for load in (checkpoints.load_checkpoint, checkpoints.load_t5x_checkpoint):
+      with pytest.raises(ValueError) as err:
+        load(path)
+      text = str(err.value)
+      assert text.startswith(f'{step_dir} is not a T5X checkpoint') and '\n' not in text, text
+  with pytest.raises(ValueError, match='only local checkpoint paths'):
+    checkpoints.load_checkpoint('gs://bucket/model/checkpoint_100')
+
+
+# ------------------------------------------------------------------------------------------------
 # Writing and reading T5X's legacy and Orbax layouts and the project's format.
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -21,21 +22,77 @@ _ALWAYS = (('relpos_buckets', None), ('abspos_buckets', None), ('length', None),
            ('layers', None), ('stack', None), ('mlp_activations', None))
 
 
-@pytest.mark.parametrize('act,par,embed_rules', [
-    (1, 1, []), (2, 1, [('embed', 'model')]), (1, 2, [('embed', 'data')]),
-    (2, 2, [('embed', 'model'), ('embed', 'data')])])
-def test_standard_rules_match_t5x(act, par, embed_rules):
-  expected = ((('batch', 'data'), ('vocab', 'model')) + tuple(embed_rules) +
-              (('embed', None), ('mlp', 'model'), ('heads', 'model'), ('kv', None),
-               ('joined_kv', 'model')) + _ALWAYS)
-  assert partitioning.standard_logical_axis_rules(act, par) == expected
+# T5X's lists (t5x/partitioning.py, standard_logical_axis_rules), transcribed per layout. Only
+# the 1-D layout has ('embed', None), early; the 2-D layouts put their embed rules last.
+_T5X_RULES = {
+    (1, 1): (('batch', 'data'), ('vocab', 'model'), ('embed', None), ('mlp', 'model'),
+             ('heads', 'model'), ('kv', None), ('joined_kv', 'model')),
+    (2, 1): (('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'), ('heads', 'model'),
+             ('kv', None), ('joined_kv', 'model'), ('embed', 'model')),
+    (1, 2): (('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'), ('heads', 'model'),
+             ('kv', None), ('joined_kv', 'model'), ('embed', 'data')),
+    (2, 2): (('batch', 'data'), ('vocab', 'model'), ('mlp', 'model'), ('heads', 'model'),
+             ('kv', None), ('joined_kv', 'model'), ('embed', 'model'), ('embed', 'data')),
+}
 
 
-def test_additional_rules_take_precedence():
-  rules = partitioning.standard_logical_axis_rules(additional_rules=[('vocab', None)])
-  assert rules[0] == ('vocab', None)
+@pytest.mark.parametrize('act,par', sorted(_T5X_RULES))
+def test_standard_rules_match_t5x(act, par):
+  assert partitioning.standard_logical_axis_rules(act, par) == _T5X_RULES[act, par] + _ALWAYS
+  extra = (('expert', 'model'), ('embed', 'data'))
+  assert partitioning.standard_logical_axis_rules(act, par, additional_rules=list(extra)) == (
+      _T5X_RULES[act, par] + _ALWAYS + extra)
   with pytest.raises(ValueError, match='must be 1 or 2'):
     partitioning.standard_logical_axis_rules(3, 1)
+
+
+def _resolve(names, rules, shape=None):
+  # Sizes 8 divide every mesh axis of the fake 2 x 4 mesh, so nothing is replicated for size.
+  shape = shape or (8,) * len(names)
+  return partitioning._spec_for_shape(names, shape, rules, _fake_mesh(2, 4))
+
+
+@pytest.mark.parametrize('act,names,additional,t5x_spec', [
+    # ('embed', None) is the 1-D layout's third rule: it settles embed as replicated before the
+    # appended ('embed', 'data') is reached, so T5X ignores the extra rule (before it was
+    # appended here, it made this P('data', 'model')).
+    (1, ('embed', 'mlp'), [('embed', 'data')], P(None, 'model')),
+    # 2-D activations: ('mlp', 'model') precedes ('embed', 'model'), so mlp takes 'model', the
+    # embed rule finds 'model' used, no rule has settled embed, and the appended rule gives it
+    # 'data'.
+    (2, ('embed', 'mlp'), [('embed', 'data')], P('data', 'model')),
+    # ... while an activation [batch, length, embed] has 'model' free: ('embed', 'model') wins
+    # and the appended rule never applies ('data' is batch's anyway).
+    (2, ('batch', 'length', 'embed'), [('embed', 'data')], P('data', None, 'model')),
+    # A name the standard rules do not know: its appended rule comes after ('mlp', 'model'), so
+    # mlp keeps 'model' and 'expert' is left replicated (prepended it would take 'model').
+    (1, ('expert', 'embed', 'mlp'), [('expert', 'model')], P(None, None, 'model')),
+    # ... and where nothing else claims 'model', the appended rule does apply.
+    (1, ('expert', 'embed'), [('expert', 'model')], P('model')),
+])
+def test_additional_rules_resolve_as_t5x(act, names, additional, t5x_spec):
+  rules = partitioning.standard_logical_axis_rules(act, 1, additional_rules=additional)
+  assert _resolve(names, rules) == t5x_spec
+  # The same answer through flax directly, and through a Partitioner given these rules.
+  assert nn.logical_to_mesh_axes(names, rules) == P(*t5x_spec, *(None,) * (
+      len(names) - len(t5x_spec)))
+  assert partitioning.Partitioner(logical_axis_rules=rules).logical_axis_rules == rules
+
+
+def test_gin_additional_rules_reach_the_partitioner():
+  gin = pytest.importorskip('gin')
+  from speculative_t5x import infer  # pylint: disable=g-import-not-at-top,unused-import
+  gin.clear_config()
+  try:
+    gin.parse_config([
+        'partitioning.Partitioner.logical_axis_rules = '
+        '@partitioning.standard_logical_axis_rules()',
+        "partitioning.standard_logical_axis_rules.additional_rules = [('expert', 'model')]",
+    ])
+    rules = gin.get_configurable('partitioning.Partitioner')().logical_axis_rules
+  finally:
+    gin.clear_config()
+  assert rules == _T5X_RULES[1, 1] + _ALWAYS + (('expert', 'model'),)
 
 
 def test_params_logical_axes_cover_every_parameter():
@@ -74,6 +131,64 @@ def test_create_mesh_shapes():
   assert partitioning.create_mesh((-1, 1)).devices.shape == (jax.device_count(), 1)
   with pytest.raises(ValueError, match='needs 2 devices'):
     partitioning.create_mesh((2, 1), devices=jax.devices()[:1])
+
+
+def test_create_mesh_on_cpu_is_process_major_id_order():
+  # T5X's CPU mesh: no topology, devices in (process, id) order whatever order they come in.
+  devices = jax.devices()
+  mesh = partitioning.create_mesh(devices=devices[::-1])
+  assert [d.id for d in mesh.devices.ravel()] == sorted(d.id for d in devices)
+
+
+def _fake_tpu_v4(coords_by_id):
+  # Just what mesh_utils reads: a megacore TPU v4 chip per device, one slice, one process.
+  return [types.SimpleNamespace(id=i, platform='tpu', device_kind='TPU v4', coords=c,
+                                core_on_chip=0, process_index=0, slice_index=0)
+          for i, c in enumerate(coords_by_id)]
+
+
+def test_device_grid_puts_model_groups_on_torus_planes():
+  # A 2x2x2 slice whose ids run in a scrambled physical order: in plain id order the 'model'
+  # groups of a (2, 4) mesh would be [0..3] and [4..7], which are not planes of the torus.
+  coords = [(0, 0, 0), (1, 1, 1), (0, 1, 0), (1, 0, 1), (1, 0, 0), (0, 1, 1), (1, 1, 0),
+            (0, 0, 1)]
+  grid = partitioning.device_grid(_fake_tpu_v4(coords), (2, 4))
+  assert grid.shape == (2, 4)
+  planes = []
+  for row in grid:
+    points = np.array([d.coords for d in row])
+    fixed = [axis for axis in range(3) if len(set(points[:, axis])) == 1]
+    # A full 2x2 plane: one coordinate constant, the four points distinct.
+    assert len(fixed) == 1 and len({tuple(p) for p in points}) == 4, points
+    planes.append(fixed[0])
+  assert planes[0] == planes[1]
+
+
+def _fake_gpus(hosts, per_host):
+  # Listed device-major across hosts, the order least like a good layout.
+  return [types.SimpleNamespace(id=h * per_host + i, platform='gpu', device_kind='H100',
+                                process_index=h)
+          for i in range(per_host) for h in range(hosts)]
+
+
+@pytest.mark.parametrize('mesh_shape', [(4, 2), (2, 4), (8, 1), (1, 8)])
+def test_device_grid_keeps_model_groups_inside_a_gpu_host(mesh_shape):
+  grid = partitioning.device_grid(_fake_gpus(2, 4), mesh_shape)
+  assert grid.shape == mesh_shape
+  assert sorted(d.id for d in grid.ravel()) == list(range(8))
+  for row in grid:
+    hosts = [d.process_index for d in row]
+    if mesh_shape[1] <= 4:
+      assert len(set(hosts)) == 1, hosts   # NVLink only
+    else:
+      assert hosts == sorted(hosts)        # one host's block, then the next
+
+
+def test_device_grid_falls_back_to_plain_order():
+  # A TPU subset with a hole is no cuboid: mesh_utils refuses it, the plain order is used.
+  devices = _fake_tpu_v4([(0, 0, 0), (1, 1, 0)])
+  grid = partitioning.device_grid(devices[::-1], (1, 2))
+  assert [d.id for d in grid.ravel()] == [0, 1]
 
 
 def test_cache_shardings():
