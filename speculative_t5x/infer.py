@@ -476,6 +476,9 @@ def infer(*,
   params = {'target': _load(target_checkpoint_path, model.target_config, dtype, 'target')}
   if model.uses_draft:
     params['draft'] = _load(draft_checkpoint_path, model.draft_config, dtype, 'draft')
+  # Decode-time weight layouts once per job, not once per batch (eager: each process computes
+  # its full copy, as it holds full parameters before sharding).
+  params = model.with_decode_variables(params)
   load_seconds = time.time() - load_start
   shardings = partitioner.pair_shardings(model, params)
   params = partitioning.shard_params(params, shardings)

@@ -590,6 +590,13 @@ def decode_variables(config: T5Config, params: Any) -> Dict[str, Any]:
   return {'decoder': {'logits_kernel': jnp.transpose(params['token_embedder']['embedding'])}}
 
 
+def decode_variables_logical_axes(config: T5Config) -> Dict[str, Any]:
+  """Logical axis names of `decode_variables(config, ...)`, in its tree (for shardings)."""
+  if not config.logits_via_embedding:
+    return {}
+  return {'decoder': {'logits_kernel': ('embed', 'vocab')}}
+
+
 def init_params(config: T5Config, rng: Optional[jax.Array] = None, batch_size: int = 1,
                 encoder_length: int = 8, decoder_length: int = 8) -> Tuple[Any, Any]:
   """Random parameters and their logical axes: (params, params_axes) as T5X's init gives them."""

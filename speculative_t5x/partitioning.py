@@ -279,7 +279,9 @@ def pair_shardings(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = N
                    params: Optional[PyTree] = None) -> Dict[str, PyTree]:
   """{'target': shardings, 'draft': shardings} for an `EncoderDecoderModel`'s parameters.
 
-  Shapes come from `params` when given, else from the configs (abstractly).
+  Shapes come from `params` when given, else from the configs (abstractly). Params that carry
+  decode-time variables (`EncoderDecoderModel.with_decode_variables`) get their shardings under
+  'decode' too.
   """
   out = {}
   for name, config in (('target', model.target_config), ('draft', model.draft_config)):
@@ -288,6 +290,12 @@ def pair_shardings(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = N
     shapes = params[name] if params is not None else jax.eval_shape(
         functools.partial(network.init_params, config))[0]
     out[name] = params_shardings(shapes, params_logical_axes(config), mesh, rules)
+  if params is not None and 'decode' in params:  # EncoderDecoderModel.with_decode_variables
+    configs = {'target': model.target_config, 'draft': model.draft_config}
+    out['decode'] = {
+        name: params_shardings(variables, network.decode_variables_logical_axes(configs[name]),
+                               mesh, rules)
+        for name, variables in params['decode'].items()}
   return out
 
 

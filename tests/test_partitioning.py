@@ -204,6 +204,18 @@ def test_cache_shardings():
   assert shardings.encoder_mask.spec == P('data')
 
 
+def test_decode_variables_are_sharded_like_the_embedding():
+  tied = tiny_config(logits_via_embedding=True)
+  model = models.EncoderDecoderModel(tied, tiny_config(num_decoder_layers=1), eos_id=1)
+  params = jax.eval_shape(lambda: {'target': network.init_params(tied)[0],
+                                   'draft': network.init_params(model.draft_config)[0]})
+  params = jax.eval_shape(model.with_decode_variables, params)
+  shardings = partitioning.pair_shardings(model, partitioning.create_mesh(), params=params)
+  assert shardings['target']['token_embedder']['embedding'].spec == P('model',)  # [vocab, embed]
+  assert shardings['decode']['target']['decoder']['logits_kernel'].spec == P(None, 'model')
+  assert shardings['decode']['draft'] == {}  # untied: nothing precomputed
+
+
 def test_sharded_decoding_equals_single_device():
   """8 simulated CPU devices in a subprocess (the flag must precede JAX's initialisation)."""
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8 '
