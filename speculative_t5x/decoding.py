@@ -29,10 +29,14 @@ Greedy decoding (temperature <= MIN_TEMPERATURE) is the same rule on one-hot dis
 p(x)/q(x) is 1 when the draft's argmax equals the target's and 0 otherwise, and the residual is the
 target's argmax, so greedy speculative output is the target's greedy output token for token. The
 loop runs it as its own branch (`_verify_greedy`, `VerifyRule.greedy_accept`): argmaxes compared,
-no distributions over the vocabulary built, no random numbers drawn.
+no distributions over the vocabulary built, no random numbers drawn. That branch is chosen at
+trace time, for a temperature given as a Python number; a temperature given as an array (a traced
+scalar, or one per row) runs the sampled branch, where a row at temperature 0 has one-hot
+distributions and so decodes greedily too, and changing the value needs no recompilation.
 
 Sequence layout, as in T5X: `sequences[:, 0]` is the BOS slot (token 0) and `sequences[:, j]` is
-output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, a prompt.
+output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, a prompt. A
+prompt already in the caches (T5X's `initial_index`) starts its row at a later position instead.
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ class DecodeStats:
   draft_calls:  draft model calls made while this row was drafting.
   proposed / accepted: draft tokens proposed to / accepted by the target.
   accepted_at:  how often draft position i was accepted.
-  emitted:      output tokens produced (prompt tokens included, after-EOS padding not).
+  emitted:      output tokens produced (forced prompt tokens included; after-EOS padding and a
+                prompt prefilled in the caches (initial_index) not).
   fallbacks:    BiLD: drafting stopped because the small model was not confident.
   rollbacks:    a proposal was rejected (BiLD's rollback, speculative's rejection).
   """
