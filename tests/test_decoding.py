@@ -136,9 +136,10 @@ def _forced_and_prefilled(enc, prompts):
       initial_index = None
     pair = dict(inputs=prompts, cache=cache, tokens_to_logits=t2l, draft_cache=draft_cache,
                 draft_tokens_to_logits=d2l, eos_id=NO_EOS, initial_index=initial_index)
-    out['target', prefilled] = decoding.temperature_sample(
+    out['target', prefilled], _, stats = decoding.temperature_sample(
         prompts, cache, t2l, NO_EOS, temperature=0.0, num_decodes=2,
-        initial_index=initial_index)[0]
+        initial_index=initial_index, return_stats=True)
+    out['target_calls', prefilled] = stats.target_calls
     out['speculative', prefilled] = decoding.speculative_sample(**pair, gamma=3,
                                                                 temperature=0.0)[0]
     # A cap longer than the output: BiLD's chunks then end where the models decide, not at
@@ -154,6 +155,9 @@ def test_prefilled_prompts_decode_as_forced_prompts():
   out = {k: np.asarray(v) for k, v in _forced_and_prefilled(enc, prompts).items()}
   for method in ('target', 'speculative', 'bild'):
     np.testing.assert_array_equal(out[method, True], out[method, False], err_msg=method)
+  # The prefilled rows start at their prompt's end: one target call fewer per prompt token.
+  np.testing.assert_array_equal(out['target_calls', True],
+                                out['target_calls', False] - np.array(PROMPT_LENGTHS)[:, None])
   # Outputs keep the prompt; both num_decodes copies of a greedy decode are the same.
   for row, n in enumerate(PROMPT_LENGTHS):
     np.testing.assert_array_equal(out['target', True][row, :, :n],
