@@ -148,7 +148,11 @@ def beam_search(inputs: Array,
       positions 0..initial_index[b]-1 (BOS plus all but the last prompt token). The last prompt
       token, inputs[b, initial_index[b]], is fed first at position initial_index[b]; outputs are
       the prompt followed by the continuation, left-aligned and cut to max_decode_len (T5X's
-      convention; rows with longer prompts may be truncated).
+      convention; rows with longer prompts may be truncated). As in T5X the loop runs until the
+      row with the shortest prompt is full, so rows with longer prompts decode past the output
+      length (those tokens are cut but still rank the beams): to reproduce T5X's scores and
+      beam order, the cache needs max_decode_len + max(initial_index) - min(initial_index)
+      positions; a smaller `DecoderCache` drops the writes past its end.
 
   Returns:
     (sequences [batch, beam, max_decode_len] int32, scores [batch, beam] float32), sorted by

@@ -29,10 +29,14 @@ Greedy decoding (temperature <= MIN_TEMPERATURE) is the same rule on one-hot dis
 p(x)/q(x) is 1 when the draft's argmax equals the target's and 0 otherwise, and the residual is the
 target's argmax, so greedy speculative output is the target's greedy output token for token. The
 loop runs it as its own branch (`_verify_greedy`, `VerifyRule.greedy_accept`): argmaxes compared,
-no distributions over the vocabulary built, no random numbers drawn.
+no distributions over the vocabulary built, no random numbers drawn. That branch is chosen at
+trace time, for a temperature given as a Python number; a temperature given as an array (a traced
+scalar, or one per row) runs the sampled branch, where a row at temperature 0 has one-hot
+distributions and so decodes greedily too, and changing the value needs no recompilation.
 
 Sequence layout, as in T5X: `sequences[:, 0]` is the BOS slot (token 0) and `sequences[:, j]` is
-output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, a prompt.
+output token j-1; `inputs[:, j] != 0` forces (teacher-forces) output token j-1, a prompt. A
+prompt already in the caches (T5X's `initial_index`) starts its row at a later position instead.
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ class DecodeStats:
   draft_calls:  draft model calls made while this row was drafting.
   proposed / accepted: draft tokens proposed to / accepted by the target.
   accepted_at:  how often draft position i was accepted.
-  emitted:      output tokens produced (prompt tokens included, after-EOS padding not).
+  emitted:      output tokens produced (forced prompt tokens included; after-EOS padding and a
+                prompt prefilled in the caches (initial_index) not).
   fallbacks:    BiLD: drafting stopped because the small model was not confident.
   rollbacks:    a proposal was rejected (BiLD's rollback, speculative's rejection).
   """
@@ -120,19 +125,24 @@ class DecodeStats:
 # Distributions: the same processing for target and draft keeps speculative sampling exact.
 
 
-def sampling_log_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
-                       topp: float = 0.0) -> Array:
-  """Log-probabilities of the distribution a token is sampled from, [..., vocab] float32.
+# A temperature is either static, a Python number (compiled in; 0.0 selects the greedy branch),
+# or an operand: a traced or concrete jax/numpy array, a scalar or one value per row ([batch]).
+Temperature = Union[float, Array]
 
-  As T5X's temperature_sample: logits / temperature, then a top-k or top-p mask. At temperature
-  <= MIN_TEMPERATURE the distribution is the one-hot of the argmax (top-k/top-p ignored).
-  """
-  logits = logits.astype(jnp.float32)
-  if topk and topp:
-    raise ValueError(f'At most one of topk ({topk}) and topp ({topp}) may be non-zero.')
-  if temperature <= MIN_TEMPERATURE:
-    return _one_hot_log_probs(argmax(logits), logits.shape[-1])
-  scaled = logits / temperature
+
+def is_static_temperature(temperature: Temperature) -> bool:
+  """True for a Python (or numpy scalar) number, which the loops specialise on at trace time."""
+  return isinstance(temperature, (int, float, np.number)) and not isinstance(temperature, bool)
+
+
+def _per_row(values: Array, ndim: int) -> Array:
+  """A scalar or [batch] operand shaped to broadcast against [batch, ...] of rank ndim."""
+  values = jnp.asarray(values, jnp.float32)
+  return values.reshape(values.shape + (1,) * (ndim - values.ndim))
+
+
+def _mask_top(scaled: Array, topk: int, topp: float) -> Array:
+  """T5X's top-k or top-p mask on scaled logits [..., vocab] (masked entries set to NEG_INF)."""
   if topk:
     kth = jax.lax.top_k(scaled, topk)[0][..., -1:]
     scaled = jnp.where(scaled < kth, NEG_INF, scaled)
@@ -144,7 +154,43 @@ def sampling_log_probs(logits: Array, temperature: float = 1.0, topk: int = 0,
     num_kept = jnp.sum(mass_before < topp, axis=-1, keepdims=True)
     threshold = jnp.take_along_axis(desc, jnp.maximum(num_kept - 1, 0), axis=-1)
     scaled = jnp.where(scaled < threshold, NEG_INF, scaled)
-  return jax.nn.log_softmax(scaled, axis=-1)
+  return scaled
+
+
+def sampling_logits(logits: Array, temperature: Temperature = 1.0, topk: int = 0,
+                    topp: float = 0.0) -> Array:
+  """Unnormalised log-weights of the distribution a token is drawn from, [batch, ..., vocab].
+
+  As T5X's temperature_sample: logits / temperature, then a top-k or top-p mask; where the
+  temperature is <= MIN_TEMPERATURE, the one-hot (0 / NEG_INF) of the argmax, top-k/top-p
+  ignored. `temperature` is a Python number, a traced scalar, or a [batch] array applied to the
+  leading axis of `logits` (each row its own temperature; rows at 0 are greedy).
+  """
+  logits = logits.astype(jnp.float32)
+  if topk and topp:
+    raise ValueError(f'At most one of topk ({topk}) and topp ({topp}) may be non-zero.')
+  if is_static_temperature(temperature):
+    if temperature <= MIN_TEMPERATURE:
+      return _one_hot_log_probs(argmax(logits), logits.shape[-1])
+    return _mask_top(logits / temperature, topk, topp)
+  t = _per_row(temperature, logits.ndim)
+  # The division by max(t, MIN) only keeps greedy rows finite; `where` discards them.
+  scaled = _mask_top(logits / jnp.maximum(t, MIN_TEMPERATURE), topk, topp)
+  return jnp.where(t > MIN_TEMPERATURE, scaled,
+                   _one_hot_log_probs(argmax(logits), logits.shape[-1]))
+
+
+def sampling_log_probs(logits: Array, temperature: Temperature = 1.0, topk: int = 0,
+                       topp: float = 0.0) -> Array:
+  """Log-probabilities of the distribution a token is sampled from, [batch, ..., vocab] float32.
+
+  `sampling_logits`, normalised. A static temperature <= MIN_TEMPERATURE gives the one-hot of
+  the argmax directly.
+  """
+  weights = sampling_logits(logits, temperature, topk, topp)
+  if is_static_temperature(temperature) and temperature <= MIN_TEMPERATURE:
+    return weights
+  return jax.nn.log_softmax(weights, axis=-1)
 
 
 def _one_hot_log_probs(tokens: Array, vocab_size: int) -> Array:
@@ -157,13 +203,20 @@ def _force(log_probs: Array, forced: Array) -> Array:
                    log_probs)
 
 
-def categorical(rng: Array, logits: Array) -> Array:
+def categorical(rng: Array, logits: Array, noise_period: int = 0) -> Array:
   """`jax.random.categorical(rng, logits, axis=-1)`, draw for draw: [..., vocab] -> [...] int32.
 
   The same Gumbel noise and maximum, taken with `argmax`: XLA:CPU's variadic argmax was most of
   the cost of a draw over the vocabulary (measured: 3.1 ms -> 0.9 ms for [8, 8064]).
+  noise_period > 0 (logits [rows, vocab]): noise is drawn for that many rows only and row r uses
+  noise row r % noise_period. With 1 this is T5X's draw for a per-row temperature array, which
+  vmaps `categorical` over rows with one key, so all rows share one noise vector per step.
   """
-  return argmax(jax.random.gumbel(rng, logits.shape, logits.dtype) + logits)
+  if not noise_period:
+    return argmax(jax.random.gumbel(rng, logits.shape, logits.dtype) + logits)
+  rows, vocab = logits.shape
+  noise = jax.random.gumbel(rng, (noise_period, vocab), logits.dtype)
+  return argmax(jnp.tile(noise, (rows // noise_period, 1)) + logits)
 
 
 def _sample(rng: Array, weights: Array) -> Array:
@@ -330,20 +383,26 @@ def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any,
 
 
 class _LoopConfig(NamedTuple):
+  """The loop's settings. `temperature` is static (a Python number) or an operand: a traced
+  scalar, or [rows] float32 with one value per (num_decodes-expanded) row. noise_period: see
+  `categorical`; 0 (independent noise per row) except in T5X's per-row-temperature draw."""
   gamma: int
   rule: VerifyRule
-  temperature: float
+  temperature: Temperature
   topk: int
   topp: float
   rescale_log_probs: bool
   confidence_threshold: float
   adaptive_gamma: bool
   eos_id: int
+  noise_period: int = 0
 
   @property
   def greedy(self) -> bool:
-    """Temperature 0 with a rule that decides from argmaxes: no distributions, no sampling."""
-    return self.temperature <= MIN_TEMPERATURE and self.rule.greedy_accept is not None
+    """A static temperature 0 with a rule that decides from argmaxes: no distributions, no
+    sampling. Operand temperatures take the sampled branch, whose zero rows are one-hot."""
+    return (is_static_temperature(self.temperature) and self.temperature <= MIN_TEMPERATURE and
+            self.rule.greedy_accept is not None)
 
 
 def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, forced: Array,
@@ -446,31 +505,32 @@ def _verify_sampled(cfg: _LoopConfig, logits: Array, forced_chunk: Array, draft:
   """The rule's acceptance test and correction on distributions: logits [batch, gamma + 1, vocab]."""
   batch, k, _ = logits.shape
   rows = jnp.arange(batch)
-  log_p = _force(sampling_log_probs(logits, cfg.temperature, cfg.topk, cfg.topp), forced_chunk)
-  p = jnp.exp(log_p)
+  weights_p = _force(sampling_logits(logits, cfg.temperature, cfg.topk, cfg.topp), forced_chunk)
+  log_p = jax.nn.log_softmax(weights_p, axis=-1)
+  log_probs = log_p if cfg.rescale_log_probs else jax.nn.log_softmax(logits)
   if draft is None:
-    accepted_at = jnp.zeros((batch, 1), jnp.int32)
-    num_accepted = jnp.zeros((batch,), jnp.int32)
-    q_next = jnp.zeros_like(p[:, 0])
-    emitted = jnp.zeros((batch, k), jnp.int32)
-  else:
-    gamma = k - 1
-    p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
-    in_proposal = jnp.arange(gamma)[None] < draft.num_proposed[:, None]
-    accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], draft.tokens)
-    uniform = jax.random.uniform(accept_rng, (batch, gamma))
-    accepted_at = jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1)
-    num_accepted = jnp.sum(accepted_at, axis=1)
-    q_next = jnp.where((num_accepted < draft.num_proposed)[:, None],
-                       draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
-    emitted = jnp.concatenate([draft.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    # Target alone: the correction after no proposal is p itself, drawn as T5X draws it (from
+    # the scaled logits, with T5X's noise layout) so that a given key gives T5X's tokens.
+    extra = categorical(extra_rng, weights_p[:, 0], cfg.noise_period)
+    return Verdict(jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32), extra,
+                   _at(log_probs, extra[:, None]))
+  p = jnp.exp(log_p)
+  gamma = k - 1
+  p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
+  in_proposal = jnp.arange(gamma)[None] < draft.num_proposed[:, None]
+  accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], draft.tokens)
+  uniform = jax.random.uniform(accept_rng, (batch, gamma))
+  accepted_at = jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1)
+  num_accepted = jnp.sum(accepted_at, axis=1)
+  q_next = jnp.where((num_accepted < draft.num_proposed)[:, None],
+                     draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
+  emitted = jnp.concatenate([draft.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
   p_next = p[rows, num_accepted]
   weights = cfg.rule.correction(p_next, q_next)
   # p == q exactly leaves no residual but then nothing can be rejected; guard the 0/0 anyway.
   weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_next)
   extra = _sample(extra_rng, weights)
   emitted = jnp.where(jnp.arange(k)[None] == num_accepted[:, None], extra[:, None], emitted)
-  log_probs = log_p if cfg.rescale_log_probs else jax.nn.log_softmax(logits)
   return Verdict(accepted_at, num_accepted, extra, _at(log_probs, emitted))
 
 
@@ -523,9 +583,14 @@ def _count(stats: DecodeStats, active: Array, draft: Optional[Draft], verdict: V
 def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
                        target_fn: TokensToLogits, draft_cache: Any,
                        draft_fn: Optional[TokensToLogits], rng: Array,
-                       max_decode_steps: Optional[Union[int, Array]]
+                       max_decode_steps: Optional[Union[int, Array]],
+                       initial_index: Optional[Array] = None
                        ) -> Tuple[Array, Array, DecodeStats]:
-  """Runs the decode; returns (decodes [batch, L], log_prob [batch], stats). See module doc."""
+  """Runs the decode; returns (decodes [batch, L], log_prob [batch], stats). See module doc.
+
+  initial_index: optional [batch] int32, rows whose caches (target and draft) already hold
+  positions 0..initial_index - 1; such a row starts by feeding inputs[:, initial_index] there.
+  """
   batch, max_len = inputs.shape
   gamma = cfg.gamma
   rows = jnp.arange(batch)
@@ -538,8 +603,12 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
 
   def body(state: LoopState) -> LoopState:
     rng = state.rng
-    if not cfg.greedy:
+    draft_rng = accept_rng = extra_rng = None
+    if not cfg.greedy and gamma:
       rng, draft_rng, accept_rng, extra_rng = jax.random.split(rng, 4)
+    elif not cfg.greedy:
+      # T5X's key stream: one split a step, the first key draws, the second is carried.
+      extra_rng, rng = jax.random.split(rng)
     draft, draft_cache = None, state.draft_cache
     proposals = jnp.zeros((batch, 0), jnp.int32)
     if gamma:
@@ -571,9 +640,17 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
                      log_prob=state.log_prob + log_prob, rng=rng,
                      stats=_count(state.stats, ~state.ended, draft, verdict, count))
 
+  sequences = jnp.zeros((batch, seq_len), jnp.int32)
+  length = jnp.zeros((batch,), jnp.int32)
+  if initial_index is not None:
+    # A prefilled row resumes as if it had committed its prompt up to initial_index: the next
+    # call feeds sequences[:, initial_index] at that position.
+    length = jnp.asarray(initial_index, jnp.int32)
+    in_cache = jnp.arange(max_len)[None] <= length[:, None]
+    sequences = sequences.at[:, :max_len].set(jnp.where(in_cache, inputs, 0))
   init = LoopState(
-      sequences=jnp.zeros((batch, seq_len), jnp.int32), length=jnp.zeros((batch,), jnp.int32),
-      ended=limit <= 0, target_cache=target_cache, draft_cache=draft_cache,
+      sequences=sequences, length=length,
+      ended=length >= limit, target_cache=target_cache, draft_cache=draft_cache,
       gamma=jnp.full((batch,), gamma, jnp.int32), log_prob=jnp.zeros((batch,), jnp.float32),
       rng=rng, stats=DecodeStats.zeros(batch, gamma))
   final = jax.lax.while_loop(lambda s: ~jnp.all(s.ended), body, init)
@@ -642,29 +719,69 @@ def flat_batch_beam_expand(x: Array, beam_size: int, offset: int = 0) -> Array:
   return jnp.repeat(x, beam_size, axis=offset)
 
 
-def expand_cache(cache: Any, beam_size: int, offset: int = 0) -> Any:
-  """Repeats every batch row of a cache `beam_size` times (DecoderCache or T5X flax cache)."""
+def expand_cache(cache: Any, beam_size: int, offset: int = 0,
+                 apply_to_index: bool = False) -> Any:
+  """Repeats every batch row of a cache `beam_size` times (DecoderCache or T5X flax cache).
+
+  apply_to_index: also expand T5X's 'cache_index' leaves, which are [batch] (not scalars) in a
+  prefilled cache.
+  """
   if beam_size == 1 or cache is None:
     return cache
-  return cache_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache, offset)
+  return cache_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache, offset,
+                   apply_to_index)
+
+
+def _check_temperature(temperature: Temperature, batch: int) -> Temperature:
+  """A static temperature as a Python float; an operand as float32, a scalar or [batch]."""
+  if is_static_temperature(temperature):
+    return float(temperature)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  if temperature.ndim > 1 or (temperature.ndim == 1 and temperature.shape[0] != batch):
+    raise ValueError(f'temperature must be a scalar or have shape [batch] = [{batch}]; got '
+                     f'shape {temperature.shape}.')
+  return temperature
+
+
+def _check_initial_index(initial_index: Optional[Array], inputs: Array) -> Optional[Array]:
+  if initial_index is None:
+    return None
+  initial_index = jnp.asarray(initial_index, jnp.int32)
+  if initial_index.shape != inputs.shape[:1]:
+    raise ValueError(f'initial_index must have shape [batch] = [{inputs.shape[0]}]; got shape '
+                     f'{initial_index.shape}.')
+  return initial_index
 
 
 def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,
             draft_cache: Any, draft_tokens_to_logits: Optional[TokensToLogits],
             decode_rng: Optional[Array], num_decodes: int, cache_offset: int,
-            max_decode_steps: Optional[Union[int, Array]], return_stats: bool):
-  """Expands for num_decodes, runs the loop, sorts by log-prob ascending (best last)."""
+            max_decode_steps: Optional[Union[int, Array]], return_stats: bool,
+            initial_index: Optional[Array] = None):
+  """Expands for num_decodes, runs the loop, sorts by log-prob ascending (best last).
+
+  Everything per row (a [batch] temperature, initial_index, max_decode_steps, the caches) is
+  repeated in place for the num_decodes samples of each example.
+  """
   if isinstance(max_decode_steps, int) and max_decode_steps > inputs.shape[1]:
     raise ValueError(f'max_decode_steps ({max_decode_steps}) exceeds the sequence length '
                      f'({inputs.shape[1]}).')
   batch = inputs.shape[0]
   rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
+  expand = lambda x: flat_batch_beam_expand(x, num_decodes)
   if max_decode_steps is not None and jnp.ndim(max_decode_steps) == 1:  # per-row, as T5X allows
-    max_decode_steps = flat_batch_beam_expand(max_decode_steps, num_decodes)
+    max_decode_steps = expand(max_decode_steps)
+  temperature = _check_temperature(cfg.temperature, batch)
+  if not is_static_temperature(temperature) and temperature.ndim == 1:
+    temperature = expand(temperature)
+  cfg = cfg._replace(temperature=temperature)
+  initial_index = _check_initial_index(initial_index, inputs)
+  prefilled = initial_index is not None
   decodes, log_prob, stats = _draft_verify_loop(
-      cfg, flat_batch_beam_expand(inputs, num_decodes),
-      expand_cache(cache, num_decodes, cache_offset), tokens_to_logits,
-      expand_cache(draft_cache, num_decodes), draft_tokens_to_logits, rng, max_decode_steps)
+      cfg, expand(inputs), expand_cache(cache, num_decodes, cache_offset, prefilled),
+      tokens_to_logits, expand_cache(draft_cache, num_decodes, 0, prefilled),
+      draft_tokens_to_logits, rng, max_decode_steps,
+      expand(initial_index) if prefilled else None)
   unflatten = lambda x: x.reshape((batch, num_decodes) + x.shape[1:])
   order = jnp.argsort(unflatten(log_prob), axis=1)
 
@@ -678,41 +795,59 @@ def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: Token
   return decodes, log_prob
 
 
+# The decode_fn contract's prompt and temperature arguments, shared by the public decoders:
+#
+# inputs: [batch, length] int32 decoder prompts in T5X's layout, [0 (BOS), p_1..p_n, 0, ...];
+#   non-zero entries after position 0 are forced as those output tokens (teacher forcing).
+# initial_index: optional [batch] int32, T5X's prefilled prompts. Row b's caches already hold
+#   positions 0..n-1 (n = initial_index[b]: BOS, p_1..p_{n-1}), and its decoding starts by feeding
+#   inputs[b, n] (p_n, or BOS when n = 0) at position n. Rows may differ. Outputs keep the prompt,
+#   [p_1..p_n, continuation], as without initial_index. T5X computes it as
+#   sum(inputs != 0, axis=1) and prefills the cache with the prompt.
+# temperature: a Python number, compiled in (0.0 selects the greedy branch, argmaxes only), or an
+#   operand: a traced scalar or a [batch] array of per-row temperatures, which can change without
+#   recompiling. Rows at temperature <= MIN_TEMPERATURE decode greedily (T5X's rule).
+
+
 def temperature_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, eos_id: int,
                        decode_rng: Optional[Array] = None, num_decodes: int = 1,
-                       temperature: float = 1.0, topk: int = 1, topp: float = 0.0,
+                       temperature: Temperature = 1.0, topk: int = 1, topp: float = 0.0,
                        cache_offset: int = 0, initial_index: Optional[Array] = None,
-                       max_decode_steps: Optional[int] = None,
+                       max_decode_steps: Optional[Union[int, Array]] = None,
                        max_decode_steps_hard_limit: Optional[int] = None,
                        rescale_log_probs: bool = True, return_stats: bool = False):
   """Target-only sampling, keyword-compatible with T5X's `decoding.temperature_sample`.
 
-  inputs: [batch, L] int32; non-zero entries after position 0 force those output tokens.
-  Returns (decodes [batch, num_decodes, L], log_probs [batch, num_decodes]) sorted ascending by
-  log-probability (best last); with return_stats also the `DecodeStats` ([batch, num_decodes]).
+  inputs [batch, length], initial_index [batch] and temperature (static, scalar or [batch]):
+  see the comment above. Draws are T5X's for a given `decode_rng`: one key split per step, and
+  with a [batch] temperature one Gumbel noise vector per step shared by all rows, as T5X's
+  vmapped draw does; here the num_decodes samples of an example get distinct noise (T5X gives
+  them the same noise, so they are identical).
+  Returns (decodes [batch, num_decodes, length], log_probs [batch, num_decodes]) sorted ascending
+  by log-probability (best last); with return_stats also the `DecodeStats` ([batch, num_decodes]).
   Defaults are T5X's, including topk=1 (greedy unless topk is set to 0 or topp is used).
-  `temperature` must be a Python float here (T5X also accepts a per-row array).
   """
-  if initial_index is not None:
-    raise NotImplementedError('initial_index (prefilled caches) is not supported; pass the '
-                              'prompt through `inputs` instead.')
   if max_decode_steps is not None and max_decode_steps_hard_limit:
     max_decode_steps = jnp.minimum(max_decode_steps, max_decode_steps_hard_limit)
-  cfg = _LoopConfig(gamma=0, rule=speculative_rule(), temperature=float(temperature),
+  per_row = not is_static_temperature(temperature) and jnp.ndim(temperature) == 1
+  cfg = _LoopConfig(gamma=0, rule=speculative_rule(), temperature=temperature,
                     topk=topk, topp=topp, rescale_log_probs=rescale_log_probs,
-                    confidence_threshold=0.0, adaptive_gamma=False, eos_id=eos_id)
+                    confidence_threshold=0.0, adaptive_gamma=False, eos_id=eos_id,
+                    noise_period=num_decodes if per_row else 0)
   return _decode(cfg, inputs, cache, tokens_to_logits, None, None, decode_rng, num_decodes,
-                 cache_offset, max_decode_steps, return_stats)
+                 cache_offset, max_decode_steps, return_stats, initial_index)
 
 
 def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,
                        draft_cache: Any, draft_tokens_to_logits: TokensToLogits, eos_id: int,
                        decode_rng: Optional[Array] = None, num_decodes: int = 1, gamma: int = 4,
-                       temperature: float = 1.0, topk: int = 0, topp: float = 0.0,
+                       temperature: Temperature = 1.0, topk: int = 0, topp: float = 0.0,
                        lenience: float = 1.0, adaptive_gamma: bool = False,
                        draft_confidence_threshold: float = 0.0, cache_offset: int = 0,
-                       max_decode_steps: Optional[int] = None, rescale_log_probs: bool = True,
-                       return_stats: bool = False, rule: Optional[VerifyRule] = None):
+                       initial_index: Optional[Array] = None,
+                       max_decode_steps: Optional[Union[int, Array]] = None,
+                       rescale_log_probs: bool = True, return_stats: bool = False,
+                       rule: Optional[VerifyRule] = None):
   """Speculative sampling (Leviathan, Kalman, Matias 2023): the target's distribution, faster.
 
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
@@ -722,29 +857,36 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
     rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
     draft's top probability falls below it (the unconfident token is not proposed). Both only
     change how many tokens are proposed, so the output distribution is unchanged.
-  lenience: 1 is exact; below 1 accepts more and is lossy (see `speculative_rule`).
-  temperature/topk/topp are applied identically to target and draft (T5X's semantics; note the
-  default topk=0 here, full sampling, where T5X's temperature_sample defaults to topk=1).
+  lenience: 1 is exact; below 1 accepts more and is lossy (see `speculative_rule`). Its greedy
+    form (accept when p(x) >= lenience max p) needs a static temperature 0.0; greedy rows of an
+    operand temperature accept exactly the target's argmax.
+  temperature/topk/topp are applied identically to target and draft, per row for a [batch]
+  temperature (T5X's semantics; note the default topk=0 here, full sampling, where T5X's
+  temperature_sample defaults to topk=1). Each row draws its own noise.
+  initial_index: prefilled prompts (see the comment above `temperature_sample`); the target and
+    the draft caches must both hold positions 0..initial_index - 1.
   Returns as `temperature_sample`.
   """
   if gamma < 1:
     raise ValueError(f'gamma must be >= 1, got {gamma}.')
-  greedy = temperature <= MIN_TEMPERATURE
+  greedy = is_static_temperature(temperature) and temperature <= MIN_TEMPERATURE
   cfg = _LoopConfig(gamma=gamma, rule=rule or speculative_rule(lenience, greedy),
-                    temperature=float(temperature), topk=topk, topp=topp,
+                    temperature=temperature, topk=topk, topp=topp,
                     rescale_log_probs=rescale_log_probs,
                     confidence_threshold=draft_confidence_threshold,
                     adaptive_gamma=adaptive_gamma, eos_id=eos_id)
   return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
-                 decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats)
+                 decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats,
+                 initial_index)
 
 
 def bild_decode(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, draft_cache: Any,
                 draft_tokens_to_logits: TokensToLogits, eos_id: int,
                 decode_rng: Optional[Array] = None, num_decodes: int = 1,
                 fallback_threshold: float = 0.6, rollback_threshold: float = 5.0,
-                max_small_steps: int = 10, temperature: float = 0.0, topk: int = 0,
-                topp: float = 0.0, cache_offset: int = 0, max_decode_steps: Optional[int] = None,
+                max_small_steps: int = 10, temperature: Temperature = 0.0, topk: int = 0,
+                topp: float = 0.0, cache_offset: int = 0, initial_index: Optional[Array] = None,
+                max_decode_steps: Optional[Union[int, Array]] = None,
                 rescale_log_probs: bool = True, return_stats: bool = False):
   """Big Little Decoder (Kim et al. 2023): lossy, the small model leads while confident.
 
@@ -752,14 +894,17 @@ def bild_decode(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, dra
   (that token is dropped) or it has made `max_small_steps` tokens; then the large model scores
   them all in one call and keeps them up to the first whose -log p_large exceeds
   `rollback_threshold`, where it substitutes its own prediction (otherwise it appends its own
-  next token). Greedy by default (the paper's setting); temperature > 0 samples both models.
+  next token). Greedy by default (the paper's setting); temperature > 0 samples both models,
+  with the same (per-row, for a [batch] array) temperature. initial_index: as in
+  `speculative_sample`.
   Returns as `temperature_sample`; `DecodeStats.fallbacks`/`rollbacks` count the two events.
   """
   if max_small_steps < 1:
     raise ValueError(f'max_small_steps must be >= 1, got {max_small_steps}.')
   cfg = _LoopConfig(gamma=max_small_steps, rule=bild_rule(rollback_threshold),
-                    temperature=float(temperature), topk=topk, topp=topp,
+                    temperature=temperature, topk=topk, topp=topp,
                     rescale_log_probs=rescale_log_probs, confidence_threshold=fallback_threshold,
                     adaptive_gamma=False, eos_id=eos_id)
   return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
-                 decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats)
+                 decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats,
+                 initial_index)

@@ -96,6 +96,116 @@ def test_max_decode_steps_and_length_limit():
   np.testing.assert_array_equal(lengths, [5, 7, 5])  # prompt + max_decode_steps
 
 
+# ------------------------------------------------------------------------------------------------
+# Prompts already in the caches (T5X's initial_index) and temperature operands.
+
+PROMPT_LENGTHS = (3, 0, 5, 1)
+
+
+def _prompts(batch_lengths, seed=21):
+  """T5X-layout prompts [batch, MAX_LEN], row = [0, p_1..p_n, 0...] with n from batch_lengths."""
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(seed),
+                                         (len(batch_lengths), MAX_LEN), 2, NO_EOS))
+  prompts = np.zeros_like(tokens)
+  for row, n in enumerate(batch_lengths):
+    prompts[row, 1:n + 1] = tokens[row, :n]
+  return jnp.asarray(prompts, jnp.int32)
+
+
+def _prefill(model, enc, prompts):
+  """(cache holding each row's positions 0..n-1, tokens_to_logits, n [batch])."""
+  module, params = model
+  cache, t2l = start_decoding(module, params, enc, MAX_LEN)
+  n = jnp.sum(prompts != 0, axis=1).astype(jnp.int32)
+  _, cache = module.apply({'params': params}, prompts, cache, n,
+                          method=network.Transformer.decode_step)
+  return cache, t2l, n
+
+
+@jax.jit
+def _forced_and_prefilled(enc, prompts):
+  """Each decoder twice: prompts forced token by token, and prompts prefilled (initial_index)."""
+  out = {}
+  for prefilled in (False, True):
+    if prefilled:
+      cache, t2l, initial_index = _prefill(TARGET, enc, prompts)
+      draft_cache, d2l, _ = _prefill(DRAFTS['noisy'], enc, prompts)
+    else:
+      cache, t2l = start_decoding(*TARGET, enc, MAX_LEN)
+      draft_cache, d2l = start_decoding(*DRAFTS['noisy'], enc, MAX_LEN)
+      initial_index = None
+    pair = dict(inputs=prompts, cache=cache, tokens_to_logits=t2l, draft_cache=draft_cache,
+                draft_tokens_to_logits=d2l, eos_id=NO_EOS, initial_index=initial_index)
+    out['target', prefilled], _, stats = decoding.temperature_sample(
+        prompts, cache, t2l, NO_EOS, temperature=0.0, num_decodes=2,
+        initial_index=initial_index, return_stats=True)
+    out['target_calls', prefilled] = stats.target_calls
+    out['speculative', prefilled] = decoding.speculative_sample(**pair, gamma=3,
+                                                                temperature=0.0)[0]
+    # A cap longer than the output: BiLD's chunks then end where the models decide, not at
+    # positions that depend on where decoding started.
+    out['bild', prefilled] = decoding.bild_decode(**pair, max_small_steps=MAX_LEN)[0]
+  return out
+
+
+def test_prefilled_prompts_decode_as_forced_prompts():
+  batch = len(PROMPT_LENGTHS)
+  enc = ragged_tokens(jax.random.PRNGKey(15), batch, 9, CFG.vocab_size)
+  prompts = _prompts(PROMPT_LENGTHS)
+  out = {k: np.asarray(v) for k, v in _forced_and_prefilled(enc, prompts).items()}
+  for method in ('target', 'speculative', 'bild'):
+    np.testing.assert_array_equal(out[method, True], out[method, False], err_msg=method)
+  # The prefilled rows start at their prompt's end: one target call fewer per prompt token.
+  np.testing.assert_array_equal(out['target_calls', True],
+                                out['target_calls', False] - np.array(PROMPT_LENGTHS)[:, None])
+  # Outputs keep the prompt; both num_decodes copies of a greedy decode are the same.
+  for row, n in enumerate(PROMPT_LENGTHS):
+    np.testing.assert_array_equal(out['target', True][row, :, :n],
+                                  np.broadcast_to(prompts[row, 1:n + 1], (2, n)))
+  np.testing.assert_array_equal(out['speculative', True][:, 0], out['target', True][:, 0])
+  # The prompts steer the decodes (else the comparison above would be vacuous).
+  unprompted = _forced_and_prefilled(enc, jnp.zeros_like(prompts))['target', True]
+  assert (np.asarray(unprompted) != out['target', True]).any()
+
+
+def test_temperature_operand_one_compile_and_greedy_rows():
+  """A [batch] temperature is an operand: new values reuse the compiled loop; rows at 0 are
+  greedy (T5X's rule) in every decoder, although the loop runs its sampled branch."""
+  batch = len(PROMPT_LENGTHS)
+  enc = ragged_tokens(jax.random.PRNGKey(16), batch, 9, CFG.vocab_size)
+  traces = []
+
+  @jax.jit
+  def run(enc, temperature, rng):
+    traces.append(1)
+    cache, t2l = start_decoding(*TARGET, enc, MAX_LEN)
+    draft_cache, d2l = start_decoding(*DRAFTS['noisy'], enc, MAX_LEN)
+    inputs = jnp.zeros((batch, MAX_LEN), jnp.int32)
+    pair = dict(inputs=inputs, cache=cache, tokens_to_logits=t2l, draft_cache=draft_cache,
+                draft_tokens_to_logits=d2l, eos_id=NO_EOS, temperature=temperature,
+                decode_rng=rng)
+    return {
+        'greedy': decoding.temperature_sample(inputs, cache, t2l, NO_EOS, temperature=0.0)[0],
+        'target': decoding.temperature_sample(inputs, cache, t2l, NO_EOS, topk=0,
+                                              temperature=temperature, decode_rng=rng)[0],
+        'speculative': decoding.speculative_sample(**pair, gamma=3)[0],
+        # Rollback threshold 0: BiLD's greedy output is the large model's.
+        'bild': decoding.bild_decode(**pair, fallback_threshold=0.0, rollback_threshold=0.0)[0],
+    }
+
+  first = run(enc, jnp.array([0.0, 1.5, 0.0, 2.0]), jax.random.PRNGKey(0))
+  second = run(enc, jnp.array([0.0, 0.0, 0.0, 1e-5]), jax.random.PRNGKey(1))
+  assert len(traces) == 1
+  greedy = np.asarray(first['greedy'][:, 0])
+  for method in ('target', 'speculative', 'bild'):
+    np.testing.assert_array_equal(np.asarray(first[method][[0, 2], 0]), greedy[[0, 2]],
+                                  err_msg=method)
+    np.testing.assert_array_equal(np.asarray(second[method][:, 0]), greedy, err_msg=method)
+  # The hot rows did sample.
+  assert (np.asarray(first['target'][[1, 3], 0]) != greedy[[1, 3]]).any()
+  assert (np.asarray(first['speculative'][[1, 3], 0]) != greedy[[1, 3]]).any()
+
+
 def test_temperature_sample_reproduces_t5x_greedy(t5x_data):
   raw = serialization.msgpack_restore((t5x_data / 'test_t5_tiny.checkpoint_0').read_bytes())
   ref = np.load(t5x_data / 'test_t5_tiny_reference.npz')
@@ -140,7 +250,8 @@ def _exact_distribution(model, enc, temperature, topk, topp):
   return dist
 
 
-def _chi_square_p_value(samples, dist):
+def _chi_square(samples, dist):
+  """Pearson's statistic of samples against {sequence: probability}, and its degrees of freedom."""
   observed = {}
   for seq in map(tuple, samples):
     observed[seq] = observed.get(seq, 0) + 1
@@ -152,7 +263,28 @@ def _chi_square_p_value(samples, dist):
   obs_bins = np.append(counts[big], counts[~big].sum())
   if exp_bins[-1] == 0:
     exp_bins, obs_bins = exp_bins[:-1], obs_bins[:-1]
-  return scipy_stats.chisquare(obs_bins, exp_bins * obs_bins.sum() / exp_bins.sum()).pvalue
+  statistic = scipy_stats.chisquare(obs_bins, exp_bins * obs_bins.sum() / exp_bins.sum()).statistic
+  return statistic, len(obs_bins) - 1
+
+
+def _chi_square_p_value(samples, dists, row_temperatures=None):
+  """p-value of samples [rows, length] against dists {temperature: distribution}.
+
+  With row_temperatures [rows], each temperature's rows are tested against its own distribution
+  and the independent statistics are summed; rows at temperature 0 must all be the greedy output.
+  """
+  if row_temperatures is None:
+    row_temperatures = np.full(len(samples), next(iter(dists)))
+  statistic = dof = 0
+  for temperature, dist in dists.items():
+    group = samples[row_temperatures == temperature]
+    if temperature == 0:
+      greedy = {seq for seq, prob in dist.items() if prob > 0}
+      assert len(greedy) == 1 and {tuple(s) for s in group} == greedy, 'a greedy row sampled'
+      continue
+    stat, df = _chi_square(group, dist)
+    statistic, dof = statistic + stat, dof + df
+  return scipy_stats.chi2.sf(statistic, dof)
 
 
 def _residual_from_p():
@@ -173,6 +305,8 @@ SAMPLING_SETTINGS = {
     'top_p_0.8': dict(temperature=1.0, topk=0, topp=0.8),
     'adaptive_and_confidence_stop': dict(temperature=1.0, topk=0, topp=0.0, adaptive_gamma=True,
                                          draft_confidence_threshold=0.4),
+    # A [batch] operand, row r at temperature[r % 4], applied to target and draft alike.
+    'per_row_temperature': dict(temperature=(0.7, 1.0, 1.5, 0.0), topk=0, topp=0.0),
 }
 
 
@@ -185,7 +319,12 @@ def test_speculative_sampling_is_exact_and_controls_fail(setting):
   draft = (target[0], jax.tree_util.tree_map(
       lambda x: x + jax.random.normal(jax.random.PRNGKey(7), x.shape), target[1]))
   enc = jnp.array([[3, 4, 5, 1]], jnp.int32)
-  dist = _exact_distribution(target, enc, kwargs['temperature'], kwargs['topk'], kwargs['topp'])
+  temperatures = np.atleast_1d(np.asarray(kwargs['temperature'], np.float32))
+  dists = {t: _exact_distribution(target, enc, float(t), kwargs['topk'], kwargs['topp'])
+           for t in temperatures}
+  row_temperatures = np.resize(temperatures, NUM_SAMPLES)
+  if isinstance(kwargs['temperature'], tuple):
+    kwargs['temperature'] = jnp.asarray(row_temperatures)
   encs = jnp.repeat(enc, NUM_SAMPLES, axis=0)
   inputs = jnp.zeros((NUM_SAMPLES, SMALL_LEN), jnp.int32)
 
@@ -199,9 +338,9 @@ def test_speculative_sampling_is_exact_and_controls_fail(setting):
 
   decodes, _, stats = sample(None, jax.random.PRNGKey(0))
   alpha = float(np.asarray(stats.accepted).sum() / np.asarray(stats.proposed).sum())
-  p_value = _chi_square_p_value(np.asarray(decodes[:, 0]), dist)
+  p_value = _chi_square_p_value(np.asarray(decodes[:, 0]), dists, row_temperatures)
   controls = {name: _chi_square_p_value(np.asarray(sample(rule, jax.random.PRNGKey(0))[0][:, 0]),
-                                        dist)
+                                        dists, row_temperatures)
               for name, rule in (('correction_from_p', _residual_from_p()),
                                  ('accept_if_p_above_q', _accept_if_p_above_q()))}
   print(f'{setting}: alpha={alpha:.3f} exact p={p_value:.3g} controls ' +
