@@ -16,8 +16,9 @@ Recipe (the embedded Multi30k De->En pair; every file below ships in the package
      (`write_pair_checkpoint` in Python; other weights: --target=... --draft=..., anything
      `checkpoints.load_checkpoint` reads.)
 
-  2. T5X's CLI with T5X's own infer.gin and the files in `gin_configs/t5x/`, from a clone's root
-     (from an installed wheel add --gin_search_paths=<the folder holding speculative_t5x/>):
+  2. T5X's CLI with T5X's own infer.gin and the files in `gin_configs/t5x/`, from any directory
+     (gin finds `speculative_t5x/gin_configs/t5x/*.gin` through the Python path, installed or
+     on PYTHONPATH):
 
        python -m t5x.infer \
          --gin_file=t5x/configs/runs/infer.gin \
@@ -32,9 +33,11 @@ Recipe (the embedded Multi30k De->En pair; every file below ships in the package
      vocab_multi30k.gin). speculative_greedy.gin: decode_fn = speculative_sample, gamma 4,
      temperature 0 (output identical to the target's greedy decoding); bild.gin instead: BiLD,
      greedy. multi30k_task.gin: the `multi30k_de_en` seqio task (split 'test'), feature lengths
-     64. The files use gin's dynamic registration, as T5X's own do: configurables are named
-     by the modules imported in them (`spec_network.T5Config`, ...), so they need no project
-     registration code (gin_configs/pairs/*.gin, written for this project's CLI, do).
+     64 (data: $SPECULATIVE_T5X_DATA/multi30k). The files use gin's dynamic registration, as
+     T5X's own do: configurables are named by the modules imported in them
+     (`spec_network.T5Config`, ...), so they need no project registration code
+     (gin_configs/pairs/*.gin, written for this project's CLI, do). For predictions' scores:
+     --gin.infer.mode="'predict_with_aux'"; target log-likelihoods: --gin.infer.mode="'score'".
 
 `speculative_sample`'s own default is temperature 1 (sampling): without speculative_greedy.gin
 (or an equivalent binding) this model samples. `score_batch` (with `return_intermediates`, as

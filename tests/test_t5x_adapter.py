@@ -125,6 +125,15 @@ def test_docstring_recipe_names_shipped_files():
   assert 'python -m speculative_t5x.t5x_adapter --output_dir=' in doc
 
 
+def test_gin_finds_t5x_files_through_the_python_path(tmp_path, monkeypatch):
+  """T5X's CLI searches '.' and T5X's folder; for other relative paths gin imports the folder as
+  a package. A folder that is no regular package makes gin fail (TypeError, not 'not found')."""
+  from gin import resource_reader  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  for name in T5X_GIN_FILES:
+    assert resource_reader.system_path_file_exists(f'speculative_t5x/gin_configs/t5x/{name}'), name
+
+
 def _imported_aliases(text: str):
   aliases = set()
   for line in text.splitlines():
