@@ -109,7 +109,7 @@ def test_imports_without_t5x():
 # The gin files.
 
 T5X_GIN_FILES = ('vocab_multi30k.gin', 'multi30k_pair.gin', 'speculative_greedy.gin', 'bild.gin',
-                 'multi30k_task.gin')
+                 'multi30k_task.gin', 'multi30k_target_t5x_greedy.gin')
 
 
 def test_docstring_recipe_names_shipped_files():
@@ -207,6 +207,40 @@ def test_bild_file_binds_greedy_bild(clean_gin):
   assert getattr(fn, '__wrapped__', fn) is decoding.bild_decode
   assert gin.get_bindings(fn) == {'fallback_threshold': 0.6, 'rollback_threshold': 5.0,
                                   'max_small_steps': 10, 'temperature': 0.0}
+
+
+def _binding_block(text: str, header: str):
+  """The indented `name = value` lines under `header:` in a gin file."""
+  lines = text.splitlines()
+  start = lines.index(header + ':') + 1
+  block = []
+  for line in lines[start:]:
+    if not line.startswith('  '):
+      break
+    block.append(line.split('#')[0].strip())
+  return block
+
+
+def test_t5x_reference_file_restates_the_target():
+  """multi30k_target_t5x_greedy.gin (T5X's own model, the check) has the pair file's target."""
+  pair = (T5X_CONFIGS / 'multi30k_pair.gin').read_text()
+  reference = (T5X_CONFIGS / 'multi30k_target_t5x_greedy.gin').read_text()
+  target = _binding_block(pair, 'target/spec_network.T5Config')
+  assert len(target) == 10
+  assert _binding_block(reference, 'network.T5Config') == target
+  assert 'decoding.temperature_sample.temperature = 0.0' in reference
+
+
+@NEEDS_T5X
+def test_t5x_reference_file_builds_t5x_model(clean_gin):
+  from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
+  target_config, _ = _pair_file_configs()
+  gin.parse_config_file(str(T5X_CONFIGS / 'multi30k_target_t5x_greedy.gin'))
+  model = _gin_value('MODEL')
+  assert type(model) is t5x_models.EncoderDecoderModel  # pylint: disable=unidiomatic-typecheck
+  for field in dataclasses.fields(network.T5Config):
+    assert getattr(model.module.config, field.name) == getattr(target_config, field.name), field
+  assert gin.get_bindings(model.decode_fn) == {'temperature': 0.0}
 
 
 def test_task_file_names_a_registered_task(clean_gin):
