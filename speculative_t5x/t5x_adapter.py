@@ -36,8 +36,15 @@ Recipe (the embedded Multi30k De->En pair; every file below ships in the package
      64 (data: $SPECULATIVE_T5X_DATA/multi30k). The files use gin's dynamic registration, as
      T5X's own do: configurables are named by the modules imported in them
      (`spec_network.T5Config`, ...), so they need no project registration code
-     (gin_configs/pairs/*.gin, written for this project's CLI, do). For predictions' scores:
-     --gin.infer.mode="'predict_with_aux'"; target log-likelihoods: --gin.infer.mode="'score'".
+     (gin_configs/pairs/*.gin, written for this project's CLI, do).
+     --gin.infer.mode="'predict_with_aux'" adds each prediction's score (0 when greedy, as
+     T5X's temperature_sample gives) and decode statistics (tokens proposed / accepted, target
+     and draft calls); --gin.infer.mode="'score'" writes the target's log-likelihoods of the
+     task's targets.
+
+  3. The check: multi30k_target_t5x_greedy.gin in place of multi30k_pair.gin and the decoding
+     file runs T5X's own EncoderDecoderModel, minimal T5 network and temperature_sample
+     (temperature 0) on the checkpoint's target half; the predictions of step 2 equal its.
 
 `speculative_sample`'s own default is temperature 1 (sampling): without speculative_greedy.gin
 (or an equivalent binding) this model samples. `score_batch` (with `return_intermediates`, as
