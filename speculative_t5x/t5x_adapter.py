@@ -1,35 +1,62 @@
 """Optional adapter for T5X users: speculative / BiLD decoding inside `python -m t5x.infer`.
 
-Only importable usefully when T5X is installed (`T5X_AVAILABLE`); nothing else in the package
+Only usefully importable when T5X is installed (`T5X_AVAILABLE`); nothing else in the package
 imports it. `SpeculativeEncoderDecoderModel` is a `t5x.models.EncoderDecoderModel` whose
 parameters are `{'target': ..., 'draft': ...}` and whose `predict_batch_with_aux` runs this
-package's decoders (T5X's own decode_fn contract gives a decoder one model only, so a two-model
-decoder needs this subclass; T5X's docs call it "option 2"). Gin, with T5X's infer.gin:
+package's decoders (T5X's decode_fn contract hands a decoder one model only, so a two-model
+decoder needs a model subclass; T5X's docs call this "option 2").
 
-  from speculative_t5x import decoding as spec_decoding
-  from speculative_t5x import network as spec_network
-  from speculative_t5x import t5x_adapter
-  MODEL = @t5x_adapter.SpeculativeEncoderDecoderModel()
-  t5x_adapter.SpeculativeEncoderDecoderModel:
-    module = @target/spec_network.Transformer()
-    draft_module = @draft/spec_network.Transformer()
-    decode_fn = @spec_decoding.speculative_sample
-    input_vocabulary = %VOCABULARY
-    output_vocabulary = %VOCABULARY
-    optimizer_def = None
-  target/spec_network.Transformer.config = @target/spec_network.T5Config()
-  draft/spec_network.Transformer.config = @draft/spec_network.T5Config()
-  (plus the two T5Config bindings, and `from __gin__ import dynamic_registration` at the top)
+Recipe (the embedded Multi30k De->En pair; every file below ships in the package):
 
-The checkpoint given to T5X must hold both models under `target/` and `draft/`, e.g. written
-with `checkpoints.save_t5x_legacy_checkpoint(dir, {'target': t, 'draft': d})`.
-`score_batch` and training losses use the target alone.
+  1. One T5X checkpoint holding both models, under `target/` and `draft/`:
+
+       python -m speculative_t5x.t5x_adapter --output_dir=/tmp/multi30k_pair
+       # -> /tmp/multi30k_pair/checkpoint_0 (T5X legacy format: msgpack + zarr arrays)
+
+     (`write_pair_checkpoint` in Python; other weights: --target=... --draft=..., anything
+     `checkpoints.load_checkpoint` reads.)
+
+  2. T5X's CLI with T5X's own infer.gin and the files in `gin_configs/t5x/`, from any directory
+     (gin finds `speculative_t5x/gin_configs/t5x/*.gin` through the Python path, installed or
+     on PYTHONPATH):
+
+       python -m t5x.infer \
+         --gin_file=t5x/configs/runs/infer.gin \
+         --gin_file=speculative_t5x/gin_configs/t5x/multi30k_pair.gin \
+         --gin_file=speculative_t5x/gin_configs/t5x/speculative_greedy.gin \
+         --gin_file=speculative_t5x/gin_configs/t5x/multi30k_task.gin \
+         --gin.CHECKPOINT_PATH="'/tmp/multi30k_pair/checkpoint_0'" \
+         --gin.INFER_OUTPUT_DIR="'/tmp/t5x_infer'"
+
+     multi30k_pair.gin: MODEL = this class over both networks (values of
+     gin_configs/pairs/multi30k.gin, scoped `target/` and `draft/`) and VOCABULARY (via
+     vocab_multi30k.gin). speculative_greedy.gin: decode_fn = speculative_sample, gamma 4,
+     temperature 0 (output identical to the target's greedy decoding); bild.gin instead: BiLD,
+     greedy. multi30k_task.gin: the `multi30k_de_en` seqio task (split 'test'), feature lengths
+     64 (data: $SPECULATIVE_T5X_DATA/multi30k). The files use gin's dynamic registration, as
+     T5X's own do: configurables are named by the modules imported in them
+     (`spec_network.T5Config`, ...), so they need no project registration code
+     (gin_configs/pairs/*.gin, written for this project's CLI, do).
+     --gin.infer.mode="'predict_with_aux'" adds each prediction's score (0 when greedy, as
+     T5X's temperature_sample gives) and decode statistics (tokens proposed / accepted, target
+     and draft calls); --gin.infer.mode="'score'" writes the target's log-likelihoods of the
+     task's targets.
+
+  3. The check: multi30k_target_t5x_greedy.gin in place of multi30k_pair.gin and the decoding
+     file runs T5X's own EncoderDecoderModel, minimal T5 network and temperature_sample
+     (temperature 0) on the checkpoint's target half; the predictions of step 2 equal its.
+
+`speculative_sample`'s own default is temperature 1 (sampling): without speculative_greedy.gin
+(or an equivalent binding) this model samples. `score_batch` (with `return_intermediates`, as
+T5X's) and the training losses use the target alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
-from typing import Any, Callable, Mapping, Optional
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import flax
 
@@ -38,19 +65,66 @@ from speculative_t5x import models
 
 T5X_AVAILABLE = importlib.util.find_spec('t5x') is not None
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The embedded pair's weights, as shipped.
+EMBEDDED_TARGET = PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_target.msgpack'
+EMBEDDED_DRAFT = PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_draft.msgpack'
+
+
+def packaged_file(path: str) -> str:
+  """Absolute path of a file shipped in the package, e.g. 'vocab/multi30k_8k.model'.
+
+  For gin files run by T5X, which resolves relative paths against the working directory only.
+  Raises FileNotFoundError if the package has no such file.
+  """
+  found = PACKAGE_DIR / path
+  if not found.is_file():
+    raise FileNotFoundError(f'speculative_t5x ships no file {path!r} (looked in {PACKAGE_DIR})')
+  return str(found)
+
+
+def write_pair_checkpoint(output_dir: Union[str, Path],
+                          target: Union[str, Path] = EMBEDDED_TARGET,
+                          draft: Union[str, Path] = EMBEDDED_DRAFT, step: int = 0) -> Path:
+  """Writes one T5X checkpoint holding both models: params `{'target': t, 'draft': d}`.
+
+  This is the checkpoint `SpeculativeEncoderDecoderModel` restores in `t5x.infer`
+  (`CHECKPOINT_PATH`): T5X's legacy format, `<output_dir>/checkpoint_<step>/`, arrays as zarr
+  under `target.target.<path>` and `target.draft.<path>`. `target` / `draft`: anything
+  `checkpoints.load_checkpoint` reads (default: the embedded Multi30k pair). Needs no T5X.
+  Returns the `checkpoint_<step>` directory.
+  """
+  from speculative_t5x import checkpoints  # pylint: disable=g-import-not-at-top  (tensorstore)
+  params = {'target': checkpoints.load_checkpoint(target),
+            'draft': checkpoints.load_checkpoint(draft)}
+  return checkpoints.save_t5x_legacy_checkpoint(output_dir, params, step=step)
+
 
 def _build_class():
   from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
 
   class SpeculativeEncoderDecoderModel(t5x_models.EncoderDecoderModel):
-    """T5X model over a target `network.Transformer` and a draft one (params target/draft)."""
+    """T5X model over a target `network.Transformer` and a draft one (params target/draft).
+
+    module / draft_module: the two `network.Transformer`s (same vocabulary and EOS).
+    decode_fn: a decoder of `speculative_t5x.decoding` (speculative_sample, bild_decode; the
+      one-model temperature_sample also works, on the target); `decode_kwargs` are passed to
+      it, and `decoder_params` of `predict_batch_with_aux` override them.
+    default_decoder_params: as T5X's: `return_all_decodes` / `num_decodes` used when
+      `predict_batch_with_aux` is not given them.
+    """
 
     def __init__(self, module, draft_module, input_vocabulary, output_vocabulary,
                  optimizer_def=None, decode_fn: Callable = decoding.speculative_sample,
-                 decode_kwargs: Optional[Mapping[str, Any]] = None, **kwargs):
+                 decode_kwargs: Optional[Mapping[str, Any]] = None,
+                 default_decoder_params: Optional[Any] = None, **kwargs):
+      # Kept here as well as by T5X's constructor, which stores it privately.
+      self._spec_default_decoder_params = (default_decoder_params or
+                                           t5x_models.DecoderParams())
       super().__init__(module=module, input_vocabulary=input_vocabulary,
                        output_vocabulary=output_vocabulary, optimizer_def=optimizer_def,
-                       decode_fn=decode_fn, **kwargs)
+                       decode_fn=decode_fn,
+                       default_decoder_params=self._spec_default_decoder_params, **kwargs)
       self.draft_module = draft_module
       self._pair = models.EncoderDecoderModel(
           module.config, draft_module.config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
@@ -64,25 +138,71 @@ def _build_class():
 
     def _compute_logits(self, params, batch, dropout_rng=None, mutable=False,
                         other_variables=None):
-      del mutable, other_variables
+      """Target logits [batch, dec_length, vocab]; with `mutable`, (logits, mutated variables).
+
+      T5X's `score_batch(return_intermediates=True)` calls this with
+      mutable=['intermediates'] and reads the sown values from the second element.
+      """
       rngs = {'dropout': dropout_rng} if dropout_rng is not None else None
       return self.module.apply(
-          {'params': params['target']}, batch['encoder_input_tokens'],
-          batch['decoder_input_tokens'], batch['decoder_target_tokens'],
+          {'params': params['target'], **(other_variables or {})},
+          batch['encoder_input_tokens'], batch['decoder_input_tokens'],
+          batch['decoder_target_tokens'],
           encoder_segment_ids=batch.get('encoder_segment_ids'),
           decoder_segment_ids=batch.get('decoder_segment_ids'),
-          enable_dropout=rngs is not None, rngs=rngs)
+          enable_dropout=rngs is not None, rngs=rngs, mutable=mutable)
 
     def predict_batch_with_aux(self, params, batch, rng=None, decoder_params=None,
-                               return_all_decodes=None, num_decodes=None,
-                               prompt_with_targets=False):
+                               return_all_decodes: Optional[bool] = None,
+                               num_decodes: Optional[int] = None,
+                               prompt_with_targets: bool = False) -> Tuple[Any, Mapping]:
+      """T5X's contract: decodes [batch, length] (or [batch, num_decodes, length], sorted best
+      last, with return_all_decodes) and aux {'scores', 'stats'}.
+
+      return_all_decodes / num_decodes default to `default_decoder_params`'s. The decode RNG
+      comes from `rng` or `decoder_params['decode_rng']`, not both (as T5X).
+      """
+      defaults = self._spec_default_decoder_params
+      if return_all_decodes is None:
+        return_all_decodes = defaults.return_all_decodes
+      if num_decodes is None:
+        num_decodes = defaults.num_decodes
+      decoder_params = dict(decoder_params or {})
+      if decoder_params.get('decode_rng') is not None:
+        if rng is not None:
+          raise ValueError('Got a decode RNG both as `rng` and as '
+                           "`decoder_params['decode_rng']`; give one.")
+        rng = decoder_params['decode_rng']
+      # The pair model sets decode_rng itself (from `rng`); a second one would clash.
+      decoder_params.pop('decode_rng', None)
       return self._pair.predict_batch_with_aux(
           params, batch, rng, decoder_params=decoder_params,
-          return_all_decodes=bool(return_all_decodes), num_decodes=num_decodes or 1,
+          return_all_decodes=bool(return_all_decodes), num_decodes=int(num_decodes),
           prompt_with_targets=prompt_with_targets)
 
+  SpeculativeEncoderDecoderModel.__qualname__ = 'SpeculativeEncoderDecoderModel'
   return SpeculativeEncoderDecoderModel
 
 
 if T5X_AVAILABLE:
   SpeculativeEncoderDecoderModel = _build_class()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  """`python -m speculative_t5x.t5x_adapter --output_dir=DIR`: see `write_pair_checkpoint`."""
+  parser = argparse.ArgumentParser(
+      description='Write one T5X checkpoint holding a target and a draft model (target/, '
+                  'draft/), for SpeculativeEncoderDecoderModel in `python -m t5x.infer`.')
+  parser.add_argument('--output_dir', required=True,
+                      help='Where checkpoint_<step>/ is written (must not exist yet).')
+  parser.add_argument('--target', default=str(EMBEDDED_TARGET),
+                      help='Target weights (default: the embedded Multi30k target).')
+  parser.add_argument('--draft', default=str(EMBEDDED_DRAFT),
+                      help='Draft weights (default: the embedded Multi30k draft).')
+  parser.add_argument('--step', type=int, default=0)
+  args = parser.parse_args(argv)
+  print(write_pair_checkpoint(args.output_dir, args.target, args.draft, args.step))
+
+
+if __name__ == '__main__':
+  main()

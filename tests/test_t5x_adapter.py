@@ -1,14 +1,103 @@
-"""The optional T5X adapter: importable without T5X; with T5X, decodes like the pair model."""
+"""The optional T5X adapter and the gin files a T5X user includes (gin_configs/t5x/).
 
+Without T5X, the adapter class is built over a minimal stand-in for `t5x.models` (the two
+names the adapter uses) so that the gin files can be parsed and the model they describe built;
+the tests that need T5X's own code skip, naming it. The end-to-end check, `python -m t5x.infer`
+with these files against T5X's own EncoderDecoderModel, needs a T5X install and is described
+in t5x_adapter's docstring and the README.
+"""
+
+import dataclasses
+import functools
+import pathlib
+import re
+import sys
+import types
+
+import flax
+import gin
 import jax
 import numpy as np
 import pytest
 
+from speculative_t5x import checkpoints
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import t5x_adapter
+from conftest import random_model
 from conftest import tiny_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = REPO / 'speculative_t5x' / 'gin_configs'
+T5X_CONFIGS = CONFIGS / 't5x'
+NEEDS_T5X = pytest.mark.skipif(
+    not t5x_adapter.T5X_AVAILABLE,
+    reason='needs T5X itself (not a dependency; see docs for a private install)')
+
+
+def _stub_t5x_models() -> types.ModuleType:
+  """What the adapter takes from `t5x.models`: DecoderParams and an EncoderDecoderModel base
+  keeping its constructor arguments as T5X's does."""
+  stub = types.ModuleType('t5x.models')
+
+  @dataclasses.dataclass(frozen=True)
+  class DecoderParams:
+    return_all_decodes: bool = False
+    num_decodes: int = 1
+
+  class EncoderDecoderModel:
+
+    def __init__(self, module, input_vocabulary, output_vocabulary, optimizer_def,
+                 decode_fn=None, default_decoder_params=None, **kwargs):
+      del kwargs
+      self.module = module
+      self._input_vocabulary = input_vocabulary
+      self._output_vocabulary = output_vocabulary
+      self.optimizer_def = optimizer_def
+      self._decode_fn = decode_fn
+      self._default_decoder_params = default_decoder_params or DecoderParams()
+
+    def predict_batch(self, params, batch, rng=None):
+      return self.predict_batch_with_aux(params, batch, rng=rng)[0]
+
+  stub.DecoderParams = DecoderParams
+  stub.EncoderDecoderModel = EncoderDecoderModel
+  return stub
+
+
+def _adapter_class_and_models():
+  """(SpeculativeEncoderDecoderModel, the t5x.models it subclasses): T5X's, else the stub's."""
+  if t5x_adapter.T5X_AVAILABLE:
+    from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
+    return t5x_adapter.SpeculativeEncoderDecoderModel, t5x_models
+  stub = _stub_t5x_models()
+  package = types.ModuleType('t5x')
+  package.models = stub
+  saved = {name: sys.modules.get(name) for name in ('t5x', 't5x.models')}
+  sys.modules.update({'t5x': package, 't5x.models': stub})
+  try:
+    return t5x_adapter._build_class(), stub  # pylint: disable=protected-access
+  finally:
+    for name, module in saved.items():
+      if module is None:
+        sys.modules.pop(name)
+      else:
+        sys.modules[name] = module
+
+
+# Built once: gin registers the class object the first time a gin file names it.
+ADAPTER, T5X_MODELS = _adapter_class_and_models()
+
+
+@pytest.fixture
+def clean_gin(monkeypatch):
+  # Where T5X is absent the gin files find the stub-based class under the real name.
+  monkeypatch.setattr(t5x_adapter, 'SpeculativeEncoderDecoderModel', ADAPTER, raising=False)
+  gin.clear_config()
+  gin.add_config_file_search_path(str(REPO))  # includes name 'speculative_t5x/gin_configs/...'
+  yield
+  gin.clear_config()
 
 
 def test_imports_without_t5x():
@@ -16,23 +105,318 @@ def test_imports_without_t5x():
   assert hasattr(t5x_adapter, 'SpeculativeEncoderDecoderModel') == t5x_adapter.T5X_AVAILABLE
 
 
-@pytest.mark.skipif(not t5x_adapter.T5X_AVAILABLE, reason='T5X is not installed')
-def test_t5x_model_matches_pair_model():
-  target_cfg, draft_cfg = tiny_config(), tiny_config(num_decoder_layers=1)
-  model = t5x_adapter.SpeculativeEncoderDecoderModel(
-      network.Transformer(target_cfg), network.Transformer(draft_cfg), None, None,
-      decode_kwargs={'gamma': 2, 'temperature': 0.0})
+# ------------------------------------------------------------------------------------------------
+# The gin files.
+
+T5X_GIN_FILES = ('vocab_multi30k.gin', 'multi30k_pair.gin', 'speculative_greedy.gin', 'bild.gin',
+                 'multi30k_task.gin', 'multi30k_target_t5x_greedy.gin')
+
+
+def test_docstring_recipe_names_shipped_files():
+  doc = t5x_adapter.__doc__
+  named = set(re.findall(r'speculative_t5x/gin_configs/t5x/(\w+\.gin)', doc))
+  assert named == {'multi30k_pair.gin', 'speculative_greedy.gin', 'multi30k_task.gin'}
+  for name in set(T5X_GIN_FILES) | named:
+    assert (T5X_CONFIGS / name).is_file(), name
+  # The recipe binds what T5X's infer.gin leaves required and does not bind itself.
+  assert '--gin_file=t5x/configs/runs/infer.gin' in doc
+  for macro in ('CHECKPOINT_PATH', 'INFER_OUTPUT_DIR'):
+    assert f'--gin.{macro}=' in doc
+  assert 'python -m speculative_t5x.t5x_adapter --output_dir=' in doc
+
+
+def test_gin_finds_t5x_files_through_the_python_path(tmp_path, monkeypatch):
+  """T5X's CLI searches '.' and T5X's folder; for other relative paths gin imports the folder as
+  a package. A folder that is no regular package makes gin fail (TypeError, not 'not found')."""
+  from gin import resource_reader  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  for name in T5X_GIN_FILES:
+    assert resource_reader.system_path_file_exists(f'speculative_t5x/gin_configs/t5x/{name}'), name
+
+
+def _imported_aliases(text: str):
+  aliases = set()
+  for line in text.splitlines():
+    m = re.match(r'\s*from\s+([\w.]+)\s+import\s+(\w+)(?:\s+as\s+(\w+))?', line)
+    if m and m.group(1) != '__gin__':
+      aliases.add(m.group(3) or m.group(2))
+    m = re.match(r'\s*import\s+([\w.]+)(?:\s+as\s+(\w+))?\s*$', line)
+    if m:
+      aliases.add(m.group(2) or m.group(1).split('.')[0])
+  return aliases
+
+
+@pytest.mark.parametrize('name', T5X_GIN_FILES)
+def test_t5x_gin_files_name_only_what_they_import(name):
+  """In a `python -m t5x.infer` run only T5X's and the file's own imports are known: a name the
+  project registers statically (`network.T5Config` of gin_configs/pairs/) fails there."""
+  text = (T5X_CONFIGS / name).read_text()
+  assert text.count('from __gin__ import dynamic_registration') == 1
+  aliases = _imported_aliases(text)
+  code = '\n'.join(line.split('#')[0] for line in text.splitlines())
+  code = re.sub(r"'[^']*'", "''", code)  # strings hold paths, not configurables
+  selectors = set(re.findall(r'@(?:\w+/)*([\w.]+)', code))  # references
+  selectors |= set(re.findall(r'^(?:\w+/)*([\w.]+)\.\w+\s*=', code, re.M))  # bindings
+  selectors |= set(re.findall(r'^(?:\w+/)*([\w.]+):\s*$', code, re.M))  # binding blocks
+  macros = set(re.findall(r'^([A-Z][A-Z0-9_]*)\s*=', code, re.M))
+  assert macros <= {'VOCABULARY', 'MODEL', 'MIXTURE_OR_TASK_NAME', 'TASK_FEATURE_LENGTHS'}
+  assert selectors or macros, name
+  for selector in selectors:
+    assert selector.split('.')[0] in aliases, (name, selector)
+
+
+def _gin_value(macro: str):
+  return gin.query_parameter(f'{macro}/macro.value').scoped_configurable_fn()
+
+
+def _pair_file_configs():
+  """The two T5Configs of gin_configs/pairs/multi30k.gin (the project CLI's names)."""
+  from speculative_t5x import infer  # pylint: disable=g-import-not-at-top,unused-import  (registers)
+  gin.parse_config_file(str(CONFIGS / 'pairs' / 'multi30k.gin'))
+  configs = tuple(_gin_value(m) for m in ('TARGET_CONFIG', 'DRAFT_CONFIG'))
+  gin.clear_config()
+  return configs
+
+
+def test_pair_file_builds_the_embedded_pair_model(clean_gin):
+  pytest.importorskip('seqio', reason='the vocabulary is a seqio.SentencePieceVocabulary')
+  target_config, draft_config = _pair_file_configs()
+  gin.parse_config_files_and_bindings(
+      [str(T5X_CONFIGS / 'multi30k_pair.gin'), str(T5X_CONFIGS / 'speculative_greedy.gin')], [])
+  model = _gin_value('MODEL')
+  assert isinstance(model, ADAPTER) and isinstance(model, T5X_MODELS.EncoderDecoderModel)
+  assert model.module.config == target_config
+  assert model.draft_module.config == draft_config
+  vocabulary = _gin_value('VOCABULARY')
+  assert type(vocabulary).__name__ == 'SentencePieceVocabulary'
+  assert vocabulary.vocab_size == 8000 and vocabulary.eos_id == 1
+  assert pathlib.Path(vocabulary.sentencepiece_model_file) == (
+      REPO / 'speculative_t5x' / 'vocab' / 'multi30k_8k.model')
+  assert model._pair.eos_id == 1  # pylint: disable=protected-access
+  # Greedy: T5X calls decode_fn without temperature, so the file's binding must hold it.
+  fn = model._pair.decode_fn  # pylint: disable=protected-access
+  assert getattr(fn, '__wrapped__', fn) is decoding.speculative_sample
+  assert gin.get_bindings(fn) == {'gamma': 4, 'temperature': 0.0}
+  assert model._pair.uses_draft  # pylint: disable=protected-access
+
+
+def test_bild_file_binds_greedy_bild(clean_gin):
+  gin.parse_config_file(str(T5X_CONFIGS / 'bild.gin'))
+  fn = gin.query_parameter('t5x_adapter.SpeculativeEncoderDecoderModel.decode_fn')
+  fn = fn.scoped_configurable_fn
+  assert getattr(fn, '__wrapped__', fn) is decoding.bild_decode
+  assert gin.get_bindings(fn) == {'fallback_threshold': 0.6, 'rollback_threshold': 5.0,
+                                  'max_small_steps': 10, 'temperature': 0.0}
+
+
+def _binding_block(text: str, header: str):
+  """The indented `name = value` lines under `header:` in a gin file."""
+  lines = text.splitlines()
+  start = lines.index(header + ':') + 1
+  block = []
+  for line in lines[start:]:
+    if not line.startswith('  '):
+      break
+    block.append(line.split('#')[0].strip())
+  return block
+
+
+def test_t5x_reference_file_restates_the_target():
+  """multi30k_target_t5x_greedy.gin (T5X's own model, the check) has the pair file's target."""
+  pair = (T5X_CONFIGS / 'multi30k_pair.gin').read_text()
+  reference = (T5X_CONFIGS / 'multi30k_target_t5x_greedy.gin').read_text()
+  target = _binding_block(pair, 'target/spec_network.T5Config')
+  assert len(target) == 10
+  assert _binding_block(reference, 'network.T5Config') == target
+  assert 'decoding.temperature_sample.temperature = 0.0' in reference
+
+
+@NEEDS_T5X
+def test_t5x_reference_file_builds_t5x_model(clean_gin):
+  from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
+  target_config, _ = _pair_file_configs()
+  gin.parse_config_file(str(T5X_CONFIGS / 'multi30k_target_t5x_greedy.gin'))
+  model = _gin_value('MODEL')
+  assert type(model) is t5x_models.EncoderDecoderModel  # pylint: disable=unidiomatic-typecheck
+  for field in dataclasses.fields(network.T5Config):
+    assert getattr(model.module.config, field.name) == getattr(target_config, field.name), field
+  assert gin.get_bindings(model.decode_fn) == {'temperature': 0.0}
+
+
+def test_task_file_names_a_registered_task(clean_gin):
+  seqio = pytest.importorskip('seqio', reason='the task is a seqio task')
+  gin.parse_config_file(str(T5X_CONFIGS / 'multi30k_task.gin'))
+  name = gin.query_parameter('MIXTURE_OR_TASK_NAME/macro.value')
+  assert name == 'multi30k_de_en' and name in seqio.TaskRegistry.names()
+  assert gin.query_parameter('TASK_FEATURE_LENGTHS/macro.value') == {'inputs': 64,
+                                                                     'targets': 64}
+
+
+# ------------------------------------------------------------------------------------------------
+# The two-model checkpoint.
+
+
+def test_write_pair_checkpoint_holds_both_models(tmp_path):
+  step_dir = t5x_adapter.write_pair_checkpoint(tmp_path, step=3)
+  assert step_dir == tmp_path / 'checkpoint_3' and (step_dir / 'checkpoint').is_file()
+  assert (step_dir / 'target.target.token_embedder.embedding').is_dir()
+  assert (step_dir / 'target.draft.decoder.decoder_norm.scale').is_dir()
+  stored = checkpoints.load_t5x_checkpoint(step_dir)
+  assert set(stored) == {'target', 'draft'}
+  for name, path in (('target', t5x_adapter.EMBEDDED_TARGET),
+                     ('draft', t5x_adapter.EMBEDDED_DRAFT)):
+    expected = flax.traverse_util.flatten_dict(checkpoints.load_checkpoint(path))
+    got = flax.traverse_util.flatten_dict(stored[name])
+    assert set(got) == set(expected), name
+    for key, value in expected.items():
+      np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value), err_msg=str(key))
+  with pytest.raises(FileExistsError):
+    t5x_adapter.main(['--output_dir', str(tmp_path), '--step', '3'])
+
+
+def test_packaged_file():
+  assert t5x_adapter.packaged_file('vocab/multi30k_8k.model') == str(
+      REPO / 'speculative_t5x' / 'vocab' / 'multi30k_8k.model')
+  with pytest.raises(FileNotFoundError, match='no_such.model'):
+    t5x_adapter.packaged_file('vocab/no_such.model')
+
+
+# ------------------------------------------------------------------------------------------------
+# The model's T5X interface.
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_params(target_cfg, draft_cfg):
+  # Random values in the networks' shapes: compiling an init costs more than these tests.
+  rng = np.random.RandomState(0)
+  shapes = jax.eval_shape(lambda: {'target': network.init_params(target_cfg)[0],
+                                   'draft': network.init_params(draft_cfg)[0]})
+  return jax.tree.map(lambda x: rng.normal(0.0, 0.5, x.shape).astype(np.float32), shapes)
+
+
+def test_get_initial_variables_has_both_models():
+  model, params, _, _ = _tiny_model()
   shapes = {'encoder_input_tokens': (2, 8), 'decoder_input_tokens': (2, 6)}
-  variables = model.get_initial_variables(jax.random.PRNGKey(0), shapes)
-  params = flax_unfreeze(variables['params'])
+  variables = jax.eval_shape(lambda: model.get_initial_variables(jax.random.PRNGKey(0), shapes))
+  assert set(variables) == {'params', 'params_axes'}
+  assert (jax.tree.map(lambda x: x.shape, flax.core.unfreeze(variables['params'])) ==
+          jax.tree.map(np.shape, params))
+  assert set(variables['params_axes']) == {'target', 'draft'}
+
+
+def _tiny_model(**kwargs):
+  target_cfg, draft_cfg = tiny_config(), tiny_config(num_decoder_layers=1)
+  model = ADAPTER(network.Transformer(target_cfg), network.Transformer(draft_cfg), None, None,
+                  decode_kwargs={'gamma': 2, 'temperature': 0.0}, **kwargs)
+  params = _tiny_params(target_cfg, draft_cfg)
   batch = {'encoder_input_tokens': np.arange(2, 18, dtype=np.int32).reshape(2, 8),
-           'decoder_input_tokens': np.zeros((2, 6), np.int32)}
+           'decoder_input_tokens': np.zeros((2, 6), np.int32),
+           'decoder_target_tokens': np.array([[5, 6, 7, 1, 0, 0], [8, 9, 1, 0, 0, 0]], np.int32),
+           'decoder_loss_weights': np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], np.float32)}
+  return model, params, batch, (target_cfg, draft_cfg)
+
+
+def test_t5x_model_matches_pair_model():
+  model, params, batch, (target_cfg, draft_cfg) = _tiny_model()
   pair = models.EncoderDecoderModel(target_cfg, draft_cfg, decode_fn=decoding.speculative_sample,
                                     decode_kwargs={'gamma': 2, 'temperature': 0.0}, eos_id=1)
-  np.testing.assert_array_equal(model.predict_batch(params, batch),
-                                pair.predict_batch(params, batch))
+  # Jitted: a whole decode compiles once instead of op by op.
+  np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, batch),
+                                jax.jit(pair.predict_batch)(params, batch))
 
 
-def flax_unfreeze(x):
-  import flax
-  return flax.core.unfreeze(x)
+def _recording_decoder(calls):
+  """A decode_fn with speculative_sample's arguments that records them and decodes nothing
+  (so these tests compile no decoding loop)."""
+
+  def decode(inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits, eos_id,
+             decode_rng=None, num_decodes=1, temperature=0.0, gamma=4):
+    del cache, tokens_to_logits, draft_cache, draft_tokens_to_logits
+    calls.append(dict(eos_id=eos_id, decode_rng=decode_rng, num_decodes=num_decodes,
+                      temperature=temperature, gamma=gamma))
+    batch, length = inputs.shape
+    decodes = np.arange(batch * num_decodes * length).reshape(batch, num_decodes, length)
+    return decodes, np.arange(batch * num_decodes, dtype=np.float32).reshape(batch, num_decodes)
+
+  return decode
+
+
+def test_default_decoder_params_and_decode_rng():
+  calls = []
+  defaults = T5X_MODELS.DecoderParams(return_all_decodes=True, num_decodes=3)
+  model, params, batch, _ = _tiny_model(default_decoder_params=defaults,
+                                        decode_fn=_recording_decoder(calls))
+  # The plumbing is under test, not the networks: no caches are built.
+  model._pair._init_cache = lambda *args: None  # pylint: disable=protected-access
+  decodes, aux = model.predict_batch_with_aux(params, batch)
+  assert decodes.shape == (2, 3, 6) and aux['scores'].shape == (2, 3)
+  assert calls[-1]['num_decodes'] == 3 and calls[-1]['decode_rng'] is None
+  # decode_kwargs reach the decoder; decoder_params override them.
+  assert (calls[-1]['gamma'], calls[-1]['temperature']) == (2, 0.0)
+  top, top_aux = model.predict_batch_with_aux(params, batch, return_all_decodes=False,
+                                              num_decodes=2, decoder_params={'gamma': 5})
+  assert top.shape == (2, 6) and top_aux['scores'].shape == (2,)
+  assert (calls[-1]['num_decodes'], calls[-1]['gamma']) == (2, 5)
+  np.testing.assert_array_equal(top, np.arange(24).reshape(2, 2, 6)[:, -1])
+  # T5X's rule: the decode RNG comes from `rng` or decoder_params['decode_rng'], not both.
+  key = jax.random.PRNGKey(1)
+  with pytest.raises(ValueError, match='decode_rng'):
+    model.predict_batch_with_aux(params, batch, rng=key, decoder_params={'decode_rng': key})
+  for kwargs in ({'rng': key}, {'decoder_params': {'decode_rng': key}}):
+    model.predict_batch_with_aux(params, batch, **kwargs)
+    np.testing.assert_array_equal(calls[-1]['decode_rng'], key)
+  # Without default_decoder_params: T5X's DecoderParams(), the top decode of one.
+  plain = _tiny_model(decode_fn=_recording_decoder(calls))[0]
+  plain._pair._init_cache = lambda *args: None  # pylint: disable=protected-access
+  assert plain.predict_batch_with_aux(params, batch)[0].shape == (2, 6)
+  assert calls[-1]['num_decodes'] == 1
+
+
+def test_compute_logits_returns_mutated_variables_when_asked():
+  model, params, batch, (target_cfg, _) = _tiny_model()
+  logits = model._compute_logits(params, batch)  # pylint: disable=protected-access
+  assert logits.shape == (2, 6, target_cfg.vocab_size)
+  out = model._compute_logits(params, batch, mutable=['intermediates'])  # pylint: disable=protected-access
+  assert isinstance(out, tuple) and len(out) == 2
+  np.testing.assert_allclose(out[0], logits, rtol=1e-6)
+
+
+@NEEDS_T5X
+def test_score_batch_return_intermediates_as_t5x():
+  model, params, batch, (target_cfg, draft_cfg) = _tiny_model()
+  pair = models.EncoderDecoderModel(target_cfg, draft_cfg)
+  scores = model.score_batch(params, batch)
+  np.testing.assert_allclose(scores, pair.score_batch(params, batch), rtol=1e-5, atol=1e-5)
+  scores2, intermediates = model.score_batch(params, batch, return_intermediates=True)
+  np.testing.assert_allclose(scores2, scores, rtol=1e-6)
+  decoder = intermediates['decoder']
+  np.testing.assert_array_equal(decoder['target_tokens'][0], batch['decoder_target_tokens'])
+  np.testing.assert_array_equal(decoder['loss_weights'][0], batch['decoder_loss_weights'])
+  np.testing.assert_allclose(decoder['token_scores'][0].sum(-1), scores, rtol=1e-5)
+
+
+@NEEDS_T5X
+def test_greedy_speculative_equals_t5x_own_greedy():
+  """T5X's EncoderDecoderModel + its minimal T5 network + its temperature_sample at temperature
+  0, on the same target parameters: the adapter's speculative greedy output is identical."""
+  from t5x import decoding as t5x_decoding  # pylint: disable=g-import-not-at-top
+  from t5x.examples.t5 import network as t5x_network  # pylint: disable=g-import-not-at-top
+  target_cfg, draft_cfg = tiny_config(), tiny_config(num_decoder_layers=1)
+  _, target = random_model(target_cfg, seed=0, logit_scale=4.0)
+  _, draft = random_model(draft_cfg, seed=1, logit_scale=4.0)
+  params = {'target': target, 'draft': draft}
+  ours = ADAPTER(network.Transformer(target_cfg), network.Transformer(draft_cfg), None, None,
+                 decode_kwargs={'gamma': 3, 'temperature': 0.0})
+  t5x_cfg = t5x_network.T5Config(**{f.name: getattr(target_cfg, f.name)
+                                    for f in dataclasses.fields(t5x_network.T5Config)})
+  theirs = T5X_MODELS.EncoderDecoderModel(
+      t5x_network.Transformer(t5x_cfg), None, None, None,
+      decode_fn=functools.partial(t5x_decoding.temperature_sample, temperature=0.0))
+  rng = np.random.RandomState(0)
+  batch = {'encoder_input_tokens': rng.randint(2, 64, size=(4, 10)).astype(np.int32),
+           'decoder_input_tokens': np.zeros((4, 12), np.int32)}
+  batch['encoder_input_tokens'][1, 6:] = 0
+  predict = lambda model, p: model.predict_batch_with_aux(p, batch, decoder_params={'eos_id': 1})[0]
+  ours_out = jax.jit(functools.partial(predict, ours))(params)
+  np.testing.assert_array_equal(ours_out, jax.jit(functools.partial(predict, theirs))(target))
+  assert np.all(ours_out[:, 0] > 1)  # decoded something (not all EOS/padding)
