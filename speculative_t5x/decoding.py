@@ -131,7 +131,8 @@ Temperature = Union[float, Array]
 
 
 def is_static_temperature(temperature: Temperature) -> bool:
-  """True for a Python (or numpy scalar) number, which the loops specialise on at trace time."""
+  """True for a Python (or numpy scalar) number, which the loops specialise on at trace time
+  (temperature, and likewise topp)."""
   return isinstance(temperature, (int, float, np.number)) and not isinstance(temperature, bool)
 
 
@@ -141,19 +142,25 @@ def _per_row(values: Array, ndim: int) -> Array:
   return values.reshape(values.shape + (1,) * (ndim - values.ndim))
 
 
-def _mask_top(scaled: Array, topk: int, topp: float) -> Array:
-  """T5X's top-k or top-p mask on scaled logits [..., vocab] (masked entries set to NEG_INF)."""
+def _mask_top(scaled: Array, topk: int, topp: Union[float, Array]) -> Array:
+  """T5X's top-k or top-p mask on scaled logits [..., vocab] (masked entries set to NEG_INF).
+
+  `topk` is a Python int (lax.top_k needs a static k); `topp` a Python number or a traced
+  scalar (then the mask applies where topp > 0, with no recompilation when it changes).
+  """
   if topk:
     kth = jax.lax.top_k(scaled, topk)[0][..., -1:]
     scaled = jnp.where(scaled < kth, NEG_INF, scaled)
-  if topp:
+  static_topp = is_static_temperature(topp)
+  if not static_topp or topp:
     # Keep the most probable tokens until their mass reaches topp (the crossing token included).
     desc = -jnp.sort(-scaled, axis=-1)
     probs = jax.nn.softmax(desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     num_kept = jnp.sum(mass_before < topp, axis=-1, keepdims=True)
     threshold = jnp.take_along_axis(desc, jnp.maximum(num_kept - 1, 0), axis=-1)
-    scaled = jnp.where(scaled < threshold, NEG_INF, scaled)
+    masked = jnp.where(scaled < threshold, NEG_INF, scaled)
+    scaled = masked if static_topp else jnp.where(topp > 0, masked, scaled)
   return scaled
 
 
@@ -167,7 +174,7 @@ def sampling_logits(logits: Array, temperature: Temperature = 1.0, topk: int = 0
   leading axis of `logits` (each row its own temperature; rows at 0 are greedy).
   """
   logits = logits.astype(jnp.float32)
-  if topk and topp:
+  if topk and is_static_temperature(topp) and topp:
     raise ValueError(f'At most one of topk ({topk}) and topp ({topp}) may be non-zero.')
   if is_static_temperature(temperature):
     if temperature <= MIN_TEMPERATURE:
@@ -728,8 +735,8 @@ def expand_cache(cache: Any, beam_size: int, offset: int = 0,
   """
   if beam_size == 1 or cache is None:
     return cache
-  return cache_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache, offset,
-                   apply_to_index)
+  return cache_map(lambda x: flat_batch_beam_expand(x, beam_size, offset), cache,
+                   batch_axis=offset, apply_to_index=apply_to_index)
 
 
 def _check_temperature(temperature: Temperature, batch: int) -> Temperature:

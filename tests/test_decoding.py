@@ -351,6 +351,19 @@ def test_speculative_sampling_is_exact_and_controls_fail(setting):
     assert control_p < 1e-6, name
 
 
+def test_traced_topp_masks_as_the_static_one():
+  logits = jax.random.normal(jax.random.PRNGKey(3), (4, 2, 50)) * 3.0
+  traced = jax.jit(lambda p: decoding.sampling_logits(logits, 0.8, 0, p))
+  for topp in (0.3, 0.9, 0.0):
+    got = np.asarray(traced(jnp.float32(topp)))
+    want = np.asarray(decoding.sampling_logits(logits, 0.8, 0, topp))
+    np.testing.assert_array_equal(got <= decoding.NEG_INF / 2, want <= decoding.NEG_INF / 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6)  # jit fuses the division: last-ulp noise
+  assert traced._cache_size() == 1  # one compilation for every value
+  # Masking happened: at 0.3 most entries are NEG_INF, at 0.0 none.
+  assert (np.asarray(traced(jnp.float32(0.3))) <= decoding.NEG_INF / 2).mean() > 0.5
+
+
 def test_acceptance_step_emits_p_in_closed_form():
   rng = np.random.default_rng(0)
   rule = decoding.speculative_rule()
