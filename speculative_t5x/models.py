@@ -38,6 +38,9 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
 
   def tokens_to_logits(state: decoding.DecodingState):
     cache = state.cache.with_index(state.cur_index)
+    if isinstance(state, decoding.TreeDecodingState):
+      return module.apply(variables, state.cur_token, cache, state.tree_depths, state.tree_mask,
+                          method=network.Transformer.tree_step)
     return module.apply(variables, state.cur_token, cache,
                         method=network.Transformer.decode_step)
 
