@@ -84,33 +84,27 @@ def main() -> None:
           'steps': int(stats['emitted'][0, 0]) if stats else None})
 
   base = results['beam_search']
+  # beam_search makes one target call per step, and an exact decoder takes the same steps.
+  steps = [r['steps'] for r in results[next(n for n in results if n != 'beam_search')]]
+  for r, n in zip(base, steps):
+    r['steps'] = r['target_calls'] = n
   summary = {'beam': args.beam, 'alpha': args.alpha, 'sentences': len(ids), 'decoders': {}}
   print(f'\n{len(ids)} sentences, beam {args.beam}, alpha {args.alpha}, batch 1')
-  print(f'{"decoder":14s} {"identical":>9s} {"max|dscore|":>11s} {"steps":>6s} '
+  print(f'{"decoder":12s} {"identical":>9s} {"max|dscore|":>11s} {"steps":>6s} '
         f'{"target calls":>12s} {"steps/call":>10s} {"median ms":>9s}')
   for name, rows in results.items():
-    identical = all(np.array_equal(r['decodes'], b['decodes']) for r, b in zip(rows, base))
-    score_diff = max(float(np.abs(r['scores'] - b['scores']).max()) for r, b in zip(rows, base))
-    ms = float(np.median([r['ms'] for r in rows]))
-    steps = sum(r['steps'] for r in rows) if rows[0]['steps'] is not None else None
-    calls = sum(r['target_calls'] for r in rows) if rows[0]['steps'] is not None else None
-    if name == 'beam_search':
-      steps = calls = summary['decoders'].get('_steps')  # filled from a tree decoder below
-    summary['decoders'][name] = {'identical': identical, 'max_score_diff': score_diff,
-                                 'median_ms': ms, 'steps': steps, 'target_calls': calls,
-                                 'per_sentence_calls': [r['target_calls'] for r in rows],
-                                 'per_sentence_steps': [r['steps'] for r in rows]}
-  # beam_search makes one target call per step; its steps equal every exact decoder's.
-  tree_names = [n for n in results if n != 'beam_search']
-  base_steps = [r['steps'] for r in results[tree_names[0]]] if tree_names else None
-  if base_steps:
-    summary['decoders']['beam_search'].update(steps=sum(base_steps), target_calls=sum(base_steps),
-                                              per_sentence_calls=base_steps,
-                                              per_sentence_steps=base_steps)
-  for name, s in summary['decoders'].items():
-    per_call = s['steps'] / s['target_calls'] if s['target_calls'] else float('nan')
-    print(f'{name:14s} {str(s["identical"]):>9s} {s["max_score_diff"]:11.2e} '
-          f'{s["steps"] or 0:6d} {s["target_calls"] or 0:12d} {per_call:10.2f} '
+    s = {'identical': all(np.array_equal(r['decodes'], b['decodes']) and r['steps'] == b['steps']
+                          for r, b in zip(rows, base)),
+         'max_score_diff': max(float(np.abs(r['scores'] - b['scores']).max())
+                               for r, b in zip(rows, base)),
+         'median_ms': float(np.median([r['ms'] for r in rows])),
+         'steps': sum(r['steps'] for r in rows),
+         'target_calls': sum(r['target_calls'] for r in rows),
+         'per_sentence_calls': [r['target_calls'] for r in rows],
+         'per_sentence_ms': [round(r['ms'], 2) for r in rows]}
+    summary['decoders'][name] = s
+    print(f'{name:12s} {str(s["identical"]):>9s} {s["max_score_diff"]:11.2e} {s["steps"]:6d} '
+          f'{s["target_calls"]:12d} {s["steps"] / s["target_calls"]:10.2f} '
           f'{s["median_ms"]:9.1f}')
   if args.json:
     Path(args.json).write_text(json.dumps(summary, indent=1))

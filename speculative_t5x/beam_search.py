@@ -491,7 +491,8 @@ def speculative_beam_search(inputs: Array,
       target_calls counts rounds, draft_calls draft calls, proposed the tree nodes below the
       roots sent to the target, emitted the beam steps taken, accepted the steps beyond the
       first of each round (accepted_at[:, :, d]: rounds that replayed past depth d), and
-      rollbacks the rounds ended by a beam outside the tree (not by its depth or the search).
+      rollbacks the rounds ended by a beam outside the tree before the leaves (not by the
+      tree's depth or the search's end).
       `tokens_per_target_call` is then beam steps per target call.
   """
   branching = tuple(int(b) for b in branching)
@@ -578,7 +579,7 @@ def speculative_beam_search(inputs: Array,
             jnp.int32),
         emitted=stats.emitted + steps * ones,
         fallbacks=stats.fallbacks,
-        rollbacks=stats.rollbacks + (~in_tree).astype(jnp.int32) * ones)
+        rollbacks=stats.rollbacks + (~in_tree & (steps <= max_depth)).astype(jnp.int32) * ones)
     return SpeculativeBeamState(beams=replayed.replace(cache=target_cache),
                                 draft_cache=draft_cache, draft_behind=depth >= max_depth,
                                 stats=stats)

@@ -30,7 +30,7 @@ TARGET = _sharpened(0)
 DRAFTS = {
     'same': TARGET,  # every beam the draft proposes is the target's
     'noisy': jax.tree_util.tree_map(  # partial agreement: rounds of every length
-        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(9), x.shape), TARGET),
+        lambda x: x + 0.03 * jax.random.normal(jax.random.PRNGKey(9), x.shape), TARGET),
     'unrelated': _sharpened(1),  # the target leaves the tree almost at once
 }
 # Added to the EOS logit of both models: early EOS, the models' own, never.
@@ -40,7 +40,9 @@ EOS_BIAS = {'early': 3.0, 'natural': 0.0, 'never': -1e4}
 def _biased(params, enc, eos_bias):
   """(cache, tokens_to_logits) of the tiny model with eos_bias added to the EOS logit."""
   encoded = MODULE.apply({'params': params}, enc, method=network.Transformer.encode)
-  cache = MODULE.apply({'params': params}, encoded, enc, MAX_LEN,
+  # Room past MAX_LEN: rows with prefilled prompts decode beyond it (beam_search drops cache
+  # writes past the cache's end, where the tree's spare slots would not).
+  cache = MODULE.apply({'params': params}, encoded, enc, MAX_LEN + 4,
                        method=network.Transformer.init_cache)
   fn = models.make_tokens_to_logits(MODULE, params)
 
@@ -52,13 +54,23 @@ def _biased(params, enc, eos_bias):
 
 
 @functools.partial(jax.jit, static_argnames=('beam', 'branching'))
-def _both(target, draft, enc, inputs, alpha, eos_bias, beam, branching):
-  """(beam_search decodes, scores), (speculative decodes, scores, stats): one compile per shape."""
+def _both(target, draft, enc, inputs, alpha, eos_bias, beam, branching, initial_index=None):
+  """(beam_search decodes, scores), (speculative decodes, scores, stats): one compile per shape.
+
+  With initial_index, both caches are first prefilled with inputs[:, :initial_index].
+  """
   cache, t2l = _biased(target, enc, eos_bias)
   draft_cache, d2l = _biased(draft, enc, eos_bias)
-  base = bs.beam_search(inputs, cache, t2l, EOS, num_decodes=beam, alpha=alpha)
+  if initial_index is not None:
+    prefill = lambda fn, c: fn(decoding.DecodingState(
+        cur_index=jnp.zeros_like(initial_index), sequences=None, cur_token=inputs,
+        cache=c))[1].with_index(initial_index)
+    cache, draft_cache = prefill(t2l, cache), prefill(d2l, draft_cache)
+  base = bs.beam_search(inputs, cache, t2l, EOS, num_decodes=beam, alpha=alpha,
+                        initial_index=initial_index)
   spec = bs.speculative_beam_search(inputs, cache, t2l, draft_cache, d2l, EOS, num_decodes=beam,
-                                    alpha=alpha, branching=branching, return_stats=True)
+                                    alpha=alpha, branching=branching, return_stats=True,
+                                    initial_index=initial_index)
   return base, spec
 
 
@@ -72,24 +84,29 @@ def test_equals_beam_search(beam, branching):
   batch = 2
   enc = ragged_tokens(jax.random.PRNGKey(beam), batch, 7, CFG.vocab_size)
   inputs = jnp.zeros((batch, MAX_LEN), jnp.int32)
-  calls = {}
-  finished = set()
+  calls, stats = {}, {}
+  finished, lengths = set(), set()
   for draft in DRAFTS:
     for eos in EOS_BIAS:
       for alpha in (0.0, 0.6):
         base, spec = _both(TARGET, DRAFTS[draft], enc, inputs, alpha, EOS_BIAS[eos], beam,
                            branching)
         _check(base, spec)
-        stats = spec[2]
-        calls[draft, eos, alpha] = int(stats.target_calls[0, 0])
-        # Every round replays at least one step; steps are the sequence slots written.
-        assert int(stats.emitted[0, 0]) >= calls[draft, eos, alpha]
+        stats[draft, eos, alpha] = s = jax.tree_util.tree_map(lambda x: np.asarray(x)[0, 0],
+                                                              spec[2])
+        calls[draft, eos, alpha] = int(s.target_calls)
+        # Every round replays at least one step and at most one per tree level plus one.
+        assert s.target_calls <= s.emitted <= (len(branching) + 1) * s.target_calls
         finished.add(bool(np.any(np.asarray(base[0]) == EOS)))
-  # The EOS biases do produce both finished and never-finished searches.
-  assert finished == {True, False}
+        lengths.add(int(s.emitted))
+  # The EOS biases do produce finished and never-finished searches, and early stops.
+  assert finished == {True, False} and min(lengths) < MAX_LEN
   # A draft equal to the target saves target calls; no EOS: all MAX_LEN steps are taken.
   assert calls['same', 'never', 0.6] < MAX_LEN
   assert calls['same', 'never', 0.6] <= calls['unrelated', 'never', 0.6]
+  # The noisy draft exercises rounds that end inside the tree as well as deeper ones.
+  noisy = [s for key, s in stats.items() if key[0] == 'noisy']
+  assert any(s.accepted > 0 for s in noisy) and any(s.rollbacks > 0 for s in noisy)
 
 
 def test_prompt_and_forced_tokens():
@@ -99,6 +116,16 @@ def test_prompt_and_forced_tokens():
   base, spec = _both(TARGET, DRAFTS['noisy'], enc, inputs, 0.6, 0.0, 2, (2, 2))
   _check(base, spec)
   np.testing.assert_array_equal(np.asarray(spec[0])[0, :, :3], [[7, 9, 11]] * 2)
+
+
+def test_prefilled_prompts():
+  """initial_index: prompts of different lengths already in both caches."""
+  enc = ragged_tokens(jax.random.PRNGKey(6), 2, 7, CFG.vocab_size)
+  inputs = jnp.zeros((2, MAX_LEN), jnp.int32).at[0, 1:4].set(jnp.array([7, 9, 11])).at[1, 1].set(5)
+  base, spec = _both(TARGET, DRAFTS['noisy'], enc, inputs, 0.6, 0.0, 2, (2, 2),
+                     initial_index=jnp.array([3, 1], jnp.int32))
+  _check(base, spec)
+  assert int(spec[2].target_calls[0, 0]) < int(spec[2].emitted[0, 0])
 
 
 def test_model_decode_fn():
@@ -139,7 +166,6 @@ def test_tree_attention_equals_paths():
   @jax.jit
   def run(params):
     cache, t2l = _biased(params, enc, 0.0)
-    cache = cache.extend(tree.nodes)
     _, cache = t2l(decoding.DecodingState(cur_index=jnp.zeros((batch,), jnp.int32),
                                           sequences=None, cur_token=prefix_tokens, cache=cache))
     tree_logits, tree_cache = bs._call_tree(t2l, tokens, index, cache, None, tree, tree.nodes)
