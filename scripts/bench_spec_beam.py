@@ -1,6 +1,6 @@
 """Speculative beam search against beam_search on the embedded Multi30k pair, batch 1.
 
-  python scripts/bench_spec_beam.py --sentences 20 --beam 4 --branching 4,2 --branching 4,2,1
+  python scripts/bench_spec_beam.py --sentences 20 --beam 4 --branching 2 --branching 8 --branching 4,2
 
 For each test_2016_flickr sentence (file order) both decoders run on the same compiled
 functions, interleaved per sentence (beam_search, then each tree shape), compilation excluded.
@@ -37,12 +37,12 @@ def main() -> None:
   parser.add_argument('--beam', type=int, default=4)
   parser.add_argument('--alpha', type=float, default=0.6)
   parser.add_argument('--branching', action='append',
-                      help='children per depth, e.g. 4,2 (repeatable; default 4,2)')
+                      help='children per depth, e.g. 4,2 (repeatable; default 8)')
   parser.add_argument('--length', type=int, default=64, help='input and output length')
   parser.add_argument('--data', default=str(DATA / 'multi30k' / 'test_2016_flickr.de'))
   parser.add_argument('--json', help='write the per-sentence results here')
   args = parser.parse_args()
-  shapes = [tuple(int(b) for b in s.split(',')) for s in (args.branching or ['4,2'])]
+  shapes = [tuple(int(b) for b in s.split(',')) for s in (args.branching or ['8'])]
 
   target_config, target_params, _ = train.load_weights(str(PRETRAINED /
                                                            'multi30k_de_en_target.msgpack'))

@@ -10,6 +10,11 @@ or T5X's flax 'cache' collection). Beams are kept flattened into the batch, `[ba
 with row `b * beam + j` for beam j of example b (T5X's `flat_batch_beam_expand` order), so the
 cache is reordered by one gather per step and never reshaped.
 
+`speculative_beam_search` returns the same beams and scores with fewer target calls: a draft
+model proposes a token tree below each live beam, the target scores the whole tree in one call
+(tree attention), and `beam_search`'s own step is replayed on those logits for as long as the
+search stays inside the tree.
+
 Shapes: `batch` examples, `beam` = num_decodes, `vocab` output classes, `length` = max_decode_len,
 `total` = length + 1 (the sequences carry a leading BOS slot, as in T5X).
 """
@@ -406,11 +411,12 @@ def _call_tree(fn: Callable, tokens: Array, index: Array, cache: PyTree, sequenc
 
 def _draft_tree(tree: TokenTree, branching: Tuple[int, ...], draft_fn: Callable,
                 draft_cache: PyTree, root: Array, previous: Array, behind: Array,
-                index: Array, sequences: Array, forced: Optional[Array]
+                index: Array, sequences: Array, forced: Optional[Array], eos_id: int
                 ) -> Tuple[Array, PyTree]:
   """The draft's tree below each row's last token: tokens [rows, nodes], and the draft cache.
 
-  Node children are the draft's most likely next tokens (the forced token inside a prompt).
+  Node children are the draft's most likely next tokens other than EOS (the forced token
+  inside a prompt).
   One draft call per level above the leaves; the first also feeds the token the draft is behind
   by. root, previous: [rows] the live beam's last token and the one before; index: [rows] the
   root's position; forced: [rows, levels] prompt tokens of levels 1.. (0 = free) or None.
@@ -427,7 +433,9 @@ def _draft_tree(tree: TokenTree, branching: Tuple[int, ...], draft_fn: Callable,
     if depth:
       node_logits, draft_cache = _call_tree(draft_fn, levels[-1], index, draft_cache, sequences,
                                             tree, tree.level_starts[depth + 1])
-    children = lax.top_k(node_logits, width)[1].reshape(rows, -1)
+    # A live beam never ends in EOS (such candidates go to the finished set, which needs no
+    # logits), so EOS children would waste the node.
+    children = lax.top_k(node_logits.at[..., eos_id].set(-jnp.inf), width)[1].reshape(rows, -1)
     if forced is not None:
       children = jnp.where(forced[:, depth:depth + 1] != 0, forced[:, depth:depth + 1], children)
     levels.append(children.astype(jnp.int32))
@@ -459,7 +467,7 @@ def speculative_beam_search(inputs: Array,
                             decode_rng: Optional[Array] = None,
                             cache_offset: int = 0,
                             initial_index: Optional[Array] = None,
-                            branching: Sequence[int] = (4, 2),
+                            branching: Sequence[int] = (8,),
                             return_stats: bool = False):
   """`beam_search`'s beams and scores, with several search steps per target call.
 
@@ -537,7 +545,7 @@ def speculative_beam_search(inputs: Array,
       level_forced = lax.dynamic_slice_in_dim(forced, step + 1, max_depth, axis=1)
     tokens, draft_cache = _draft_tree(tree, branching, draft_tokens_to_logits, carry.draft_cache,
                                       root, previous, carry.draft_behind, index, sequences,
-                                      level_forced)
+                                      level_forced, eos_id)
     logits, target_cache = _call_tree(tokens_to_logits, tokens, index, state.cache, sequences,
                                       tree, tree.nodes)  # [rows, nodes, vocab]
 
