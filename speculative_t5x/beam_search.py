@@ -32,7 +32,6 @@ from jax import lax
 
 from speculative_t5x.decoding import DecodeStats, DecodingState, TreeDecodingState, cache_map
 from speculative_t5x.decoding import match_container
-from speculative_t5x.decoding import _call as decoding_call
 
 Array = jnp.ndarray
 PyTree = Any
@@ -399,13 +398,21 @@ class SpeculativeBeamState:
 
 
 def _call_tree(fn: Callable, tokens: Array, index: Array, cache: PyTree, sequences: Array,
-               tree: TokenTree, end: int) -> Tuple[Array, PyTree]:
-  """Feeds the nodes end - k..end-1 of `tree` (tokens [rows, k]) -> (logits [rows, k, vocab])."""
-  start = end - tokens.shape[1]
-  logits, new_cache = fn(TreeDecodingState(
-      cur_index=index, sequences=sequences, cur_token=tokens, cache=cache,
-      tree_depths=jnp.asarray(tree.depths[:end]),
-      tree_mask=jnp.asarray(tree.ancestors[start:end, :end])))
+               tree: Optional[TokenTree] = None, end: int = 0) -> Tuple[Array, PyTree]:
+  """Feeds the nodes end - k..end-1 of `tree` (tokens [rows, k]) -> (logits [rows, k, vocab]).
+
+  Without a tree, the tokens are a chain at index..index+k-1 (a plain `DecodingState`).
+  """
+  fields = dict(cur_index=index, sequences=sequences, cur_token=tokens, cache=cache)
+  if tree is None:
+    state = DecodingState(**fields)
+  else:
+    start = end - tokens.shape[1]
+    state = TreeDecodingState(**fields, tree_depths=jnp.asarray(tree.depths[:end]),
+                              tree_mask=jnp.asarray(tree.ancestors[start:end, :end]))
+  logits, new_cache = fn(state)
+  if logits.ndim == 2:  # [rows, vocab] for one token, as T5X's callables return
+    logits = logits[:, None]
   return logits.astype(jnp.float32), match_container(new_cache, cache)
 
 
@@ -426,7 +433,7 @@ def _draft_tree(tree: TokenTree, branching: Tuple[int, ...], draft_fn: Callable,
   # Rows that are behind feed (previous, root) from index - 1; the others (root, root) from
   # index, where the second copy lands in a slot the tree overwrites or never reads.
   first = jnp.stack([jnp.where(behind, previous, root), root], axis=1)
-  logits, draft_cache = decoding_call(draft_fn, first, index - behind_i, draft_cache, sequences)
+  logits, draft_cache = _call_tree(draft_fn, first, index - behind_i, draft_cache, sequences)
   node_logits = logits[jnp.arange(rows), behind_i][:, None, :]  # [rows, 1, vocab]
   levels = [root[:, None]]
   for depth, width in enumerate(branching):
