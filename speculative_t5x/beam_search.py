@@ -576,11 +576,11 @@ def speculative_beam_search(inputs: Array,
     cursor = replayed.cache
     depth = jnp.asarray(tree.depths)[cursor.node]  # of the node each beam's last step used
     path = jnp.asarray(tree.paths)[cursor.node]
-    take_rows = lambda c: cache_map(lambda x: jnp.take(x, cursor.root, axis=0), c)
-    # Target: the path down to that node was all fed. Draft: all but the leaves.
-    target_cache = take_rows(target_cache).with_index(index).keep_tree_path(path, depth + 1)
-    draft_cache = take_rows(draft_cache).with_index(index).keep_tree_path(
-        path, jnp.minimum(depth + 1, max_depth))
+    # Each beam's row: its tree's row (same example, so the same cross-attention entries) with
+    # the path down to that node. The target fed all of it, the draft all but the leaves.
+    target_cache = target_cache.with_index(index).keep_tree_path(path, depth + 1, cursor.root)
+    draft_cache = draft_cache.with_index(index).keep_tree_path(
+        path, jnp.minimum(depth + 1, max_depth), cursor.root)
 
     steps = replayed.step - step
     stats = carry.stats

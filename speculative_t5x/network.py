@@ -405,14 +405,23 @@ class DecoderCache:
     """Moves each row to `index` [batch]; moving back discards what was written from there on."""
     return self.replace(index=jnp.asarray(index, jnp.int32))
 
-  def keep_tree_path(self, path: Array, length: Array) -> 'DecoderCache':
+  def keep_tree_path(self, path: Array, length: Array,
+                     source_rows: Optional[Array] = None) -> 'DecoderCache':
     """Commits one root-to-node path of a tree written by `tree_step` at each row's index.
 
     path: [batch, n] int32 tree nodes (path[:, d] the node at depth d; entries at d >= length
     are ignored). Moves their keys/values from slots index + path to index + d and advances the
     index by length [batch]: the cache then equals having fed the path token by token.
+    source_rows: optional [batch] int32, row b takes its self-attention entries (and index) from
+    row source_rows[b] first, as beam search reorders beams. Only for rows that share their
+    encoder input (the beams of one example): cross-attention entries are not moved.
     """
-    start = self.index[:, None]
+    index, self_key, self_value = self.index, self.self_key, self.self_value
+    if source_rows is not None:
+      take = lambda x: jnp.take(x, source_rows, axis=0)
+      index, self_key, self_value = take(index), tuple(map(take, self_key)), tuple(
+          map(take, self_value))
+    start = index[:, None]
     src = start + path  # [batch, n]
     dst = start + jnp.arange(path.shape[1])[None, :]
     rows = jnp.arange(path.shape[0])[:, None]
@@ -425,9 +434,8 @@ class DecoderCache:
       moved = jnp.take_along_axis(value, src[:, None, :, None], axis=2, mode='clip')
       return value.at[rows, :, dst].set(jnp.moveaxis(moved, 2, 1), mode='drop')
 
-    return self.replace(index=self.index + length,
-                        self_key=tuple(move_key(k) for k in self.self_key),
-                        self_value=tuple(move_value(v) for v in self.self_value))
+    return self.replace(index=index + length, self_key=tuple(map(move_key, self_key)),
+                        self_value=tuple(map(move_value, self_value)))
 
   def extend(self, extra: int) -> 'DecoderCache':
     """The same cache with `extra` more (empty) self-attention slots, room for a token tree."""
