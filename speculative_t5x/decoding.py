@@ -71,6 +71,24 @@ class DecodingState:
   cache: Any
 
 
+@flax.struct.dataclass
+class TreeDecodingState(DecodingState):
+  """A `DecodingState` whose tokens are nodes of a token tree (`network.Decoder.tree_step`).
+
+  The tree's nodes sit at cache slots cur_index[b] + 0..nodes-1 (the root at cur_index); cur_token
+  [batch, k] are its last k nodes (the others were fed earlier). Each node is positioned at
+  cur_index + its depth and attends to the cache below cur_index and to its own ancestors:
+
+  tree_depths: [nodes] int32, each node's depth (root 0).
+  tree_mask:   [k, nodes] bool, tree_mask[i, m]: node m is node (nodes - k + i) or an ancestor.
+
+  A tokens_to_logits that supports trees (`models.make_tokens_to_logits`) returns every node's
+  next-token logits [batch, k, vocab] and a cache whose index has not moved.
+  """
+  tree_depths: Any = None
+  tree_mask: Any = None
+
+
 # tokens_to_logits(DecodingState) -> (logits [batch, k, vocab] (or [batch, vocab] when k == 1,
 # as T5X returns), new_cache). A callable over a `DecoderCache` writes at `cur_index`, which is
 # how the loop moves rows back. T5X's own callables (cache index inside the cache) work with the

@@ -79,6 +79,7 @@ gin.external_configurable(decoding.temperature_sample, module='decoding')
 gin.external_configurable(decoding.speculative_sample, module='decoding')
 gin.external_configurable(decoding.bild_decode, module='decoding')
 gin.external_configurable(beam_search.beam_search, module='decoding')
+gin.external_configurable(beam_search.speculative_beam_search, module='decoding')
 gin.external_configurable(partitioning.Partitioner, module='partitioning')
 gin.external_configurable(partitioning.standard_logical_axis_rules, module='partitioning')
 
@@ -628,7 +629,7 @@ def _bound_decode_kwargs(fn: Any, explicit: Mapping[str, Any]) -> Dict[str, Any]
   bound = {}
   for key in ('temperature', 'topk', 'topp', 'gamma', 'lenience', 'adaptive_gamma',
               'draft_confidence_threshold', 'fallback_threshold', 'rollback_threshold',
-              'max_small_steps', 'beam_size', 'alpha'):
+              'max_small_steps', 'beam_size', 'alpha', 'branching'):
     try:
       bound[key] = gin.query_parameter(f'decoding.{name}.{key}')
     except ValueError:

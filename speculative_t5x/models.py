@@ -29,6 +29,8 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
                           ) -> decoding.TokensToLogits:
   """The decoding loops' `tokens_to_logits` for one model: feeds cur_token at cur_index.
 
+  A `decoding.TreeDecodingState` is scored as a token tree (`network.Transformer.tree_step`).
+
   `decode_variables` (`network.decode_variables` of `params`) are computed here, outside the
   decoding loop that calls the result, unless given.
   """
@@ -38,6 +40,9 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
 
   def tokens_to_logits(state: decoding.DecodingState):
     cache = state.cache.with_index(state.cur_index)
+    if isinstance(state, decoding.TreeDecodingState):
+      return module.apply(variables, state.cur_token, cache, state.tree_depths, state.tree_mask,
+                          method=network.Transformer.tree_step)
     return module.apply(variables, state.cur_token, cache,
                         method=network.Transformer.decode_step)
 
@@ -59,7 +64,8 @@ class EncoderDecoderModel:
 
   target_config / draft_config: the two networks' `network.T5Config`s.
   decode_fn: `decoding.speculative_sample` (default), `decoding.bild_decode`,
-    `decoding.temperature_sample` or `beam_search.beam_search`; `decode_kwargs` are passed to it
+    `decoding.temperature_sample`, `beam_search.beam_search` or
+    `beam_search.speculative_beam_search`; `decode_kwargs` are passed to it
     (e.g. gamma, temperature), and `predict_batch_with_aux(decoder_params=...)` overrides them.
   eos_id / draft_eos_id: the two models' EOS ids (default: from the vocabularies, else 1).
   """

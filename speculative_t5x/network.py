@@ -201,11 +201,13 @@ class RelativePositionBiases(nn.Module):
 
   @nn.compact
   def __call__(self, query_positions: Array, key_positions: Array) -> Array:
-    """[batch, q] and [k] positions -> bias [batch, heads, q, k]."""
+    """[batch, q] and [k] (or per-row [batch, k]) positions -> bias [batch, heads, q, k]."""
     rel_embedding = _param(self, 'rel_embedding',
                            nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform'),
                            (self.num_heads, RELPOS_NUM_BUCKETS), ('heads', 'relpos_buckets'))
-    buckets = _bucket(key_positions[None, None, :] - query_positions[:, :, None],
+    if key_positions.ndim == 1:
+      key_positions = key_positions[None]
+    buckets = _bucket(key_positions[:, None, :] - query_positions[:, :, None],
                       self.bidirectional)
     bias = jnp.take(rel_embedding.astype(self.dtype), buckets, axis=1)  # [heads, batch, q, k]
     return jnp.transpose(bias, (1, 0, 2, 3))
@@ -403,6 +405,44 @@ class DecoderCache:
     """Moves each row to `index` [batch]; moving back discards what was written from there on."""
     return self.replace(index=jnp.asarray(index, jnp.int32))
 
+  def keep_tree_path(self, path: Array, length: Array,
+                     source_rows: Optional[Array] = None) -> 'DecoderCache':
+    """Commits one root-to-node path of a tree written by `tree_step` at each row's index.
+
+    path: [batch, n] int32 tree nodes (path[:, d] the node at depth d; entries at d >= length
+    are ignored). Moves their keys/values from slots index + path to index + d and advances the
+    index by length [batch]: the cache then equals having fed the path token by token.
+    source_rows: optional [batch] int32, row b takes its self-attention entries (and index) from
+    row source_rows[b] first, as beam search reorders beams. Only for rows that share their
+    encoder input (the beams of one example): cross-attention entries are not moved.
+    """
+    index, self_key, self_value = self.index, self.self_key, self.self_value
+    if source_rows is not None:
+      take = lambda x: jnp.take(x, source_rows, axis=0)
+      index, self_key, self_value = take(index), tuple(map(take, self_key)), tuple(
+          map(take, self_value))
+    start = index[:, None]
+    src = start + path  # [batch, n]
+    dst = start + jnp.arange(path.shape[1])[None, :]
+    rows = jnp.arange(path.shape[0])[:, None]
+
+    def move_key(key):  # [batch, heads, head_dim, max_length]
+      moved = jnp.take_along_axis(key, src[:, None, None, :], axis=3, mode='clip')
+      return key.at[rows, :, :, dst].set(jnp.moveaxis(moved, 3, 1), mode='drop')
+
+    def move_value(value):  # [batch, heads, max_length, head_dim]
+      moved = jnp.take_along_axis(value, src[:, None, :, None], axis=2, mode='clip')
+      return value.at[rows, :, dst].set(jnp.moveaxis(moved, 2, 1), mode='drop')
+
+    return self.replace(index=index + length, self_key=tuple(map(move_key, self_key)),
+                        self_value=tuple(map(move_value, self_value)))
+
+  def extend(self, extra: int) -> 'DecoderCache':
+    """The same cache with `extra` more (empty) self-attention slots, room for a token tree."""
+    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+    return self.replace(self_key=tuple(pad(k, 3) for k in self.self_key),
+                        self_value=tuple(pad(v, 2) for v in self.self_value))
+
 
 def _mask_bias(mask: Array) -> Array:
   return jnp.where(mask, 0.0, MASK_BIAS).astype(jnp.float32)
@@ -500,18 +540,57 @@ class Decoder(nn.Module):
     key_positions = jnp.arange(cache.max_length)
     self_mask = key_positions[None, None, None, :] <= positions[:, None, :, None]
     self_bias = self.relpos_bias(positions, key_positions) + _mask_bias(self_mask)
+    logits, new_cache = self._cached_step(tokens, cache, positions, self_bias)
+    advance = k if num_new is None else num_new
+    return logits, new_cache.replace(index=cache.index + advance)
+
+  def _cached_step(self, tokens: Array, cache: DecoderCache, write_slots: Array,
+                   self_bias: Array) -> Tuple[Array, DecoderCache]:
+    """Writes tokens [batch, k] at cache slots write_slots [batch, k], attends with self_bias
+    [batch, heads, k, max_length]; returns (logits [batch, k, vocab], cache, index unchanged)."""
     cross_bias = _mask_bias(cache.encoder_mask[:, None, None, :])
     y = self.shared_embedding(tokens)
     keys, values = [], []
     for i, layer in enumerate(self.layers):
       y, (key, value) = layer(y, self_bias, (cache.cross_key[i], cache.cross_value[i]), cross_bias,
-                              self_cache=(cache.self_key[i], cache.self_value[i], positions))
+                              self_cache=(cache.self_key[i], cache.self_value[i], write_slots))
       keys.append(key)
       values.append(value)
-    advance = k if num_new is None else num_new
-    new_cache = cache.replace(index=cache.index + advance, self_key=tuple(keys),
-                              self_value=tuple(values))
+    new_cache = cache.replace(self_key=tuple(keys), self_value=tuple(values))
     return self._logits(y, deterministic=True), new_cache
+
+  def tree_step(self, tokens: Array, cache: DecoderCache, tree_depths: Array,
+                tree_mask: Array) -> Tuple[Array, DecoderCache]:
+    """Scores the last k nodes of a token tree in one call: tokens [batch, k] -> logits
+    [batch, k, vocab], each node's next-token logits given its row's cache and its own ancestors.
+
+    The tree has `nodes` = tree_depths.shape[-1] nodes stored at cache slots index[b] + 0..nodes-1
+    (node 0, the root, at slot index[b]); these k tokens are nodes nodes-k..nodes-1, the earlier
+    ones were written by earlier calls. Node n has position index[b] + tree_depths[n] (for the
+    relative position bias) and sees the cache below index[b] plus the nodes m with
+    tree_mask[n - (nodes - k), m] (its ancestors and itself). So a node gets exactly the logits
+    of feeding its root-to-node path one token at a time (`DecoderCache.keep_tree_path` then
+    commits a path).
+
+    tree_depths: [nodes] or [batch, nodes] int32. tree_mask: [k, nodes] or [batch, k, nodes] bool.
+    The cache index is not moved: the tree is scratch space until a path is kept.
+    """
+    nodes, k = tree_depths.shape[-1], tokens.shape[1]
+    depths = jnp.broadcast_to(tree_depths, (tokens.shape[0], nodes))
+    mask = jnp.broadcast_to(tree_mask, (tokens.shape[0], k, nodes))
+    start = cache.index[:, None]  # [batch, 1]
+    write_slots = start + (nodes - k) + jnp.arange(k)[None, :]  # [batch, k]
+    positions = start + depths[:, nodes - k:]
+    slots = jnp.arange(cache.max_length)[None, :]
+    node = slots - start  # [batch, max_length]: the tree node a slot holds, if in [0, nodes)
+    in_tree = (node >= 0) & (node < nodes)
+    node = jnp.clip(node, 0, nodes - 1)
+    key_positions = jnp.where(in_tree, start + jnp.take_along_axis(depths, node, axis=1), slots)
+    node_visible = jnp.take_along_axis(mask, jnp.broadcast_to(node[:, None, :], mask.shape[:2] +
+                                                              node.shape[1:]), axis=2)
+    self_mask = (slots < start)[:, None, :] | (in_tree[:, None, :] & node_visible)
+    self_bias = self.relpos_bias(positions, key_positions) + _mask_bias(self_mask[:, None])
+    return self._cached_step(tokens, cache, write_slots, self_bias)
 
 
 class Transformer(nn.Module):
@@ -570,6 +649,11 @@ class Transformer(nn.Module):
                   num_new: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
     """Cached decoding of a chunk tokens [batch, k] -> (logits [batch, k, vocab], cache)."""
     return self.decoder.decode_step(tokens, cache, num_new)
+
+  def tree_step(self, tokens: Array, cache: DecoderCache, tree_depths: Array,
+                tree_mask: Array) -> Tuple[Array, DecoderCache]:
+    """Tree attention over the cache (`Decoder.tree_step`): logits [batch, k, vocab], cache."""
+    return self.decoder.tree_step(tokens, cache, tree_depths, tree_mask)
 
 
 DECODE_COLLECTION = 'decode'

@@ -74,6 +74,7 @@ def test_pair_file_matches_training_model_files():
     ('speculative_sampling', 'speculative_sample', {'temperature': 1.0, 'topk': 0}),
     ('speculative_adaptive', 'speculative_sample', {'adaptive_gamma': True, 'gamma': 8}),
     ('bild', 'bild_decode', {'fallback_threshold': 0.6, 'rollback_threshold': 5.0}),
+    ('speculative_beam', 'speculative_beam_search', {'alpha': 0.6, 'branching': (8,)}),
 ])
 def test_decoding_configs_bind_the_decoder(name, fn, expect):
   gin.parse_config_file(str(CONFIGS / 'decoding' / f'{name}.gin'))
