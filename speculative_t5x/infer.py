@@ -374,6 +374,7 @@ def infer(*,
           output_ids: bool = False,
           dtype: Optional[str] = 'auto',
           seed: int = 0,
+          num_decodes: int = 1,
           progress: bool = True) -> Dict[str, Any]:
   """Decodes every example of a task split or file; returns (and writes) the run summary.
 
@@ -394,6 +395,9 @@ def infer(*,
     dtype: activation and parameter dtype: 'auto' (float32 on CPU, else bfloat16), a dtype
       name, or None to keep the configs' dtypes and the checkpoints' parameter dtypes.
     seed: base of the per-batch random keys (sampling decoders).
+    num_decodes: decodes per example, T5X's `predict_batch_with_aux(num_decodes=...)`: the beam
+      size of beam_search / speculative_beam_search, samples per example otherwise; the best
+      (highest score) is written.
     progress: show a progress bar (process 0).
   """
   wall_start = time.time()
@@ -460,7 +464,7 @@ def infer(*,
   run_key = hashlib.sha256(json.dumps({
       'gin': gin.config_str(), 'indices': [ex.index for ex in examples],
       'tokens': hashlib.sha256(json.dumps([ex.tokens for ex in examples]).encode()).hexdigest(),
-      'processes': num_processes}, sort_keys=True).encode()).hexdigest()[:16]
+      'processes': num_processes, 'num_decodes': num_decodes}, sort_keys=True).encode()).hexdigest()[:16]
   tmp_dir = output_dir / f'tmp-{name}-{shard_id:05}-of-{num_shards:05}'
   tmp_dir.mkdir(exist_ok=True)
   key_file = tmp_dir / 'run_key'
@@ -485,7 +489,7 @@ def infer(*,
   params = partitioning.shard_params(params, shardings)
 
   local_batch = batch_size // num_processes
-  predict = partitioner.partition_predict(model, params)
+  predict = partitioner.partition_predict(model, params, num_decodes=num_decodes)
 
   def make_batch(chunk_examples: Sequence[Example]) -> Dict[str, np.ndarray]:
     enc = np.zeros((local_batch, input_length), np.int32)
@@ -572,6 +576,7 @@ def infer(*,
           'mesh': dict(partitioner.mesh.shape), 'processes': num_processes,
           'devices': jax.device_count(), 'backend': jax.default_backend(),
           'dtype': str(dtype) if dtype is not None else None, 'seed': seed,
+          'num_decodes': num_decodes,
           'shard': [shard_id, num_shards]})
   _atomic_write(summary_path, json.dumps(summary, indent=2))
   _atomic_write(output_dir / 'operative_config.gin', gin.operative_config_str())

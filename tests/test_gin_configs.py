@@ -75,12 +75,16 @@ def test_pair_file_matches_training_model_files():
     ('speculative_adaptive', 'speculative_sample', {'adaptive_gamma': True, 'gamma': 8}),
     ('bild', 'bild_decode', {'fallback_threshold': 0.6, 'rollback_threshold': 5.0}),
     ('speculative_beam', 'speculative_beam_search', {'alpha': 0.6, 'branching': (8,)}),
+    ('beam_search', 'beam_search', {'alpha': 0.6}),
 ])
 def test_decoding_configs_bind_the_decoder(name, fn, expect):
   gin.parse_config_file(str(CONFIGS / 'decoding' / f'{name}.gin'))
   assert gin.query_parameter('models.EncoderDecoderModel.decode_fn').selector == f'decoding.{fn}'
   for key, value in expect.items():
     assert gin.query_parameter(f'decoding.{fn}.{key}') == value
+  beams = 4 if 'beam' in name else None  # the infer job's num_decodes: the beam size
+  if beams:
+    assert gin.query_parameter('infer_script.infer.num_decodes') == beams
 
 
 @pytest.mark.parametrize('run,source', [

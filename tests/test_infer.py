@@ -9,9 +9,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import speculative_t5x
+from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
@@ -171,6 +173,31 @@ def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
   # A second call finds the completed output and does nothing.
   again = _infer(setup, tmp_path / 'out', source, output_ids=True)
   assert again == json.loads(next((tmp_path / 'out').glob('*.summary.json')).read_text())
+
+
+def test_beam_size_reaches_the_decoder(setup, tmp_path):
+  """num_decodes is the beam size; the job writes each example's best beam (exact decoders)."""
+  source = tmp_path / 'in.txt'
+  source.write_text('\n'.join(_german_lines(4)) + '\n', encoding='utf-8')
+  outputs = {}
+  for name, fn in (('beam', beam_search.beam_search),
+                   ('speculative_beam', beam_search.speculative_beam_search)):
+    model = _model(decode_fn=fn, decode_kwargs={'alpha': 0.6})
+    summary = _infer(setup, tmp_path / name, source, model=model, num_decodes=3, output_ids=True)
+    assert summary['config']['num_decodes'] == 3
+    outputs[name] = [r['prediction_tokens'] for r in _outputs(tmp_path / name)]
+  assert outputs['speculative_beam'] == outputs['beam']
+  examples = infer.read_input_file(source)
+  infer.tokenize(examples, _model().input_vocabulary, 32, infer.InputReport())
+  enc = np.zeros((len(examples), 32), np.int32)
+  for row, ex in enumerate(examples):
+    enc[row, :len(ex.tokens)] = ex.tokens
+  params = {'target': checkpoints.load_checkpoint(setup / 'target', TARGET)}
+  decodes = _model(decode_fn=beam_search.beam_search, decode_kwargs={'alpha': 0.6}).predict_batch(
+      params, {'encoder_input_tokens': enc,
+               'decoder_input_tokens': np.zeros((len(examples), 10), np.int32)}, num_decodes=3)
+  direct = [[int(t) for t in row if t] for row in np.asarray(decodes)]
+  assert outputs['beam'] == direct
 
 
 # ------------------------------------------------------------------------------------------------
