@@ -19,7 +19,7 @@ setuptools.setup(
         'jax>=0.4.30',
         'jaxlib>=0.4.30',
         'flax>=0.8.0',
-        'optax>=0.2.0',
+        'optax>=0.2.8',  # optax.tree.norm (tested with 0.2.8)
         'gin-config>=0.5.0',
         'orbax-checkpoint>=0.5.0',
         'tensorstore>=0.1.60',
@@ -34,7 +34,7 @@ setuptools.setup(
         # torch==2.13.0: the CPU build this project's machines install from a local file
         # (any other torch resolves to a multi-GB CUDA build here); transformers >= 5 for the
         # HF parity and assisted-generation tests.
-        'test': ['pytest>=7.0', 'scipy>=1.10', 'sacrebleu>=2.0', 'torch==2.13.0',
+        'test': ['pytest>=7.0', 'pytest-xdist>=3.0', 'scipy>=1.10', 'sacrebleu>=2.0', 'torch==2.13.0',
                  'transformers>=5.0'],
         # seqio tasks (imports TensorFlow; the core modules never do) and BLEU.
         'data': ['seqio>=0.0.18', 'tensorflow-cpu>=2.13', 'sacrebleu>=2.0'],

@@ -421,7 +421,7 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     metrics['loss'] = loss
-    metrics['grad_norm'] = optax.global_norm(grads)
+    metrics['grad_norm'] = optax.tree.norm(grads)
     return {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
   return jax.jit(step_fn, donate_argnums=(0,))
