@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+from typing import List
 
 # The tests check what programs compute, not how fast they run, and XLA:CPU's backend (LLVM)
 # optimisation is most of the compile time of the many small programs here: level 0 took
@@ -24,21 +25,26 @@ def data_dir() -> pathlib.Path:
       'SPECULATIVE_T5X_DATA', pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'))
 
 
-@pytest.fixture
+def shared_files(*relative_paths: str) -> List[pathlib.Path]:
+  """The paths under `data_dir()`; skips the calling test, naming those that are absent."""
+  paths = [data_dir() / path for path in relative_paths]
+  missing = [str(path) for path in paths if not path.exists()]
+  if missing:
+    pytest.skip(f'shared data not found: {", ".join(missing)} (set SPECULATIVE_T5X_DATA to the '
+                'shared data folder).')
+  return paths
+
+
+@pytest.fixture(scope='session')
 def t5x_data() -> pathlib.Path:
-  path = data_dir() / 't5x'
-  if not (path / 'test_t5_tiny.checkpoint_0').exists():
-    pytest.skip(f'T5X reference data not found at {path} (set SPECULATIVE_T5X_DATA).')
-  return path
+  """../shared/data/t5x, with T5X's tiny checkpoint and its reference outputs."""
+  return shared_files('t5x/test_t5_tiny.checkpoint_0', 't5x/test_t5_tiny_reference.npz')[0].parent
 
 
 @pytest.fixture
 def multi30k() -> pathlib.Path:
   """The data folder holding multi30k/ (train, val, test_2016_flickr)."""
-  path = data_dir()
-  if not (path / 'multi30k' / 'train.de').exists():
-    pytest.skip(f'Multi30k not found under {path} (set SPECULATIVE_T5X_DATA).')
-  return path
+  return shared_files('multi30k/train.de')[0].parents[1]
 
 
 def tiny_config(**overrides) -> network.T5Config:

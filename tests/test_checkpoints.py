@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from conftest import shared_files
 from speculative_t5x import checkpoints
 from speculative_t5x import network
 
@@ -29,20 +30,6 @@ SMALL = network.T5Config(vocab_size=40, emb_dim=6, num_heads=2, head_dim=4, mlp_
                          mlp_activations=('gelu', 'linear'))
 
 
-def _data_dir() -> Path:
-  env = os.environ.get('SPECULATIVE_T5X_DATA')
-  return Path(env) if env else Path(__file__).parents[1].parent / 'shared' / 'data'
-
-
-@pytest.fixture(scope='module')
-def t5x_data() -> Path:
-  folder = _data_dir() / 't5x'
-  needed = [folder / 'test_t5_tiny.checkpoint_0', folder / 'test_t5_tiny_reference.npz']
-  absent = [str(p) for p in needed if not p.is_file()]
-  if absent:
-    pytest.skip(f'T5X reference data not found ({", ".join(absent)}); set SPECULATIVE_T5X_DATA '
-                'to the shared data folder to run this test')
-  return folder
 
 
 def _flat(tree):
@@ -164,13 +151,7 @@ def test_tiny_t5x_checkpoint_reproduces_t5x_outputs(t5x_data):
 
 @pytest.fixture(scope='module')
 def t5x_written(t5x_data) -> Path:
-  needed = [t5x_data / 'orbax' / 'checkpoint_0' / 'state', t5x_data / 'legacy_zarr' /
-            'checkpoint_0' / 'checkpoint']
-  absent = [str(p) for p in needed if not p.exists()]
-  if absent:
-    pytest.skip(f'checkpoints written by T5X not found ({", ".join(absent)}); set '
-                'SPECULATIVE_T5X_DATA to a shared data folder that has t5x/orbax and '
-                't5x/legacy_zarr')
+  shared_files('t5x/orbax/checkpoint_0/state', 't5x/legacy_zarr/checkpoint_0/checkpoint')
   return t5x_data
 
 

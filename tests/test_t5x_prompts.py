@@ -18,7 +18,7 @@ from speculative_t5x import beam_search
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import network
-from conftest import data_dir
+from conftest import shared_files
 
 EOS_ID = 1
 LENGTH = 10
@@ -30,12 +30,7 @@ BEAM_CACHE_LENGTH = 17
 @pytest.fixture(scope='module')
 def tiny():
   """(module, params, reference arrays) for T5X's tiny checkpoint."""
-  folder = data_dir() / 't5x'
-  files = [folder / 'test_t5_tiny.checkpoint_0', folder / 'test_t5_tiny_reference_prompts.npz']
-  missing = [str(f) for f in files if not f.exists()]
-  if missing:
-    pytest.skip(f'T5X prompt reference data not found: {", ".join(missing)} '
-                '(set SPECULATIVE_T5X_DATA to the shared data folder).')
+  files = shared_files('t5x/test_t5_tiny.checkpoint_0', 't5x/test_t5_tiny_reference_prompts.npz')
   ref = dict(np.load(files[1]))
   config = network.T5Config(**json.loads(str(ref['config'])))
   params = flax.serialization.msgpack_restore(files[0].read_bytes())['optimizer']['target']
