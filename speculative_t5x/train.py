@@ -39,7 +39,9 @@ import optax
 
 import speculative_t5x
 from speculative_t5x import data
+from speculative_t5x import decoding
 from speculative_t5x import gin_utils
+from speculative_t5x import models
 from speculative_t5x import network
 
 Array = jnp.ndarray
@@ -118,7 +120,7 @@ def soft_cross_entropy(logits: Array, teacher_logits: Array, weights: Array,
 
 
 # ------------------------------------------------------------------------------------------------
-# Greedy decoding (private, small: the decoding module owns the real loops).
+# Greedy decoding: the decoders' own loop (decoding.temperature_sample at temperature 0).
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'max_length'))
@@ -126,31 +128,14 @@ def _greedy_decode(config: network.T5Config, params: PyTree, encoder_input_token
                    max_length: int) -> Array:
   """Greedy outputs [batch, max_length] for encoder_input_tokens [batch, enc_length].
 
-  Each row stops at its EOS (later positions are 0); the loop ends when every row has stopped.
-  Rows that are all padding produce garbage that callers ignore.
+  Each row stops at its EOS (later positions are 0); rows that are all padding decode nothing.
   """
-  model = network.Transformer(config)
-  variables = {'params': params}
-  batch = encoder_input_tokens.shape[0]
-  encoded = model.apply(variables, encoder_input_tokens, method=model.encode)
-  cache = model.apply(variables, encoded, encoder_input_tokens, max_length,
-                      method=model.init_cache)
-
-  def cond(carry):
-    i, _, _, _, done = carry
-    return (i < max_length) & ~jnp.all(done)
-
-  def body(carry):
-    i, token, cache, out, done = carry
-    logits, cache = model.apply(variables, token[:, None], cache, method=model.decode_step)
-    nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-    nxt = jnp.where(done, data.PAD_ID, nxt)
-    out = out.at[:, i].set(nxt)
-    return i + 1, nxt, cache, out, done | (nxt == data.EOS_ID)
-
-  init = (jnp.int32(0), jnp.zeros((batch,), jnp.int32), cache,
-          jnp.zeros((batch, max_length), jnp.int32), jnp.zeros((batch,), bool))
-  return jax.lax.while_loop(cond, body, init)[3]
+  model = models.EncoderDecoderModel(config, decode_fn=decoding.temperature_sample,
+                                     decode_kwargs={'temperature': 0.0}, eos_id=data.EOS_ID)
+  batch = {'encoder_input_tokens': encoder_input_tokens,
+           'decoder_input_tokens': jnp.zeros((encoder_input_tokens.shape[0], max_length),
+                                             jnp.int32)}
+  return model.predict_batch({'target': params}, batch)
 
 
 def greedy_translate(config: network.T5Config, params: PyTree, token_inputs: Sequence[Sequence[int]],
