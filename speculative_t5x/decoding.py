@@ -148,10 +148,10 @@ class DecodeStats:
 Temperature = Union[float, Array]
 
 
-def is_static_temperature(temperature: Temperature) -> bool:
-  """True for a Python (or numpy scalar) number, which the loops specialise on at trace time
-  (temperature, and likewise topp)."""
-  return isinstance(temperature, (int, float, np.number)) and not isinstance(temperature, bool)
+def is_static(value: Union[float, Array]) -> bool:
+  """True for a Python (or numpy scalar) number, which the loops specialise on at trace time;
+  False for an operand (a jax/numpy array, traced or not). For temperature and topp."""
+  return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
 
 def _per_row(values: Array, ndim: int) -> Array:
@@ -169,7 +169,7 @@ def _mask_top(scaled: Array, topk: int, topp: Union[float, Array]) -> Array:
   if topk:
     kth = jax.lax.top_k(scaled, topk)[0][..., -1:]
     scaled = jnp.where(scaled < kth, NEG_INF, scaled)
-  static_topp = is_static_temperature(topp)
+  static_topp = is_static(topp)
   if not static_topp or topp:
     # Keep the most probable tokens until their mass reaches topp (the crossing token included).
     desc = -jnp.sort(-scaled, axis=-1)
@@ -192,9 +192,9 @@ def sampling_logits(logits: Array, temperature: Temperature = 1.0, topk: int = 0
   leading axis of `logits` (each row its own temperature; rows at 0 are greedy).
   """
   logits = logits.astype(jnp.float32)
-  if topk and is_static_temperature(topp) and topp:
+  if topk and is_static(topp) and topp:
     raise ValueError(f'At most one of topk ({topk}) and topp ({topp}) may be non-zero.')
-  if is_static_temperature(temperature):
+  if is_static(temperature):
     if temperature <= MIN_TEMPERATURE:
       return _one_hot_log_probs(argmax(logits), logits.shape[-1])
     return _mask_top(logits / temperature, topk, topp)
@@ -213,7 +213,7 @@ def sampling_log_probs(logits: Array, temperature: Temperature = 1.0, topk: int 
   the argmax directly.
   """
   weights = sampling_logits(logits, temperature, topk, topp)
-  if is_static_temperature(temperature) and temperature <= MIN_TEMPERATURE:
+  if is_static(temperature) and temperature <= MIN_TEMPERATURE:
     return weights
   return jax.nn.log_softmax(weights, axis=-1)
 
@@ -426,7 +426,7 @@ class _LoopConfig(NamedTuple):
   def greedy(self) -> bool:
     """A static temperature 0 with a rule that decides from argmaxes: no distributions, no
     sampling. Operand temperatures take the sampled branch, whose zero rows are one-hot."""
-    return (is_static_temperature(self.temperature) and self.temperature <= MIN_TEMPERATURE and
+    return (is_static(self.temperature) and self.temperature <= MIN_TEMPERATURE and
             self.rule.greedy_accept is not None)
 
 
@@ -759,7 +759,7 @@ def expand_cache(cache: Any, beam_size: int, offset: int = 0,
 
 def _check_temperature(temperature: Temperature, batch: int) -> Temperature:
   """A static temperature as a Python float; an operand as float32, a scalar or [batch]."""
-  if is_static_temperature(temperature):
+  if is_static(temperature):
     return float(temperature)
   temperature = jnp.asarray(temperature, jnp.float32)
   if temperature.ndim > 1 or (temperature.ndim == 1 and temperature.shape[0] != batch):
@@ -797,7 +797,7 @@ def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: Token
   if max_decode_steps is not None and jnp.ndim(max_decode_steps) == 1:  # per-row, as T5X allows
     max_decode_steps = expand(max_decode_steps)
   temperature = _check_temperature(cfg.temperature, batch)
-  if not is_static_temperature(temperature) and temperature.ndim == 1:
+  if not is_static(temperature) and temperature.ndim == 1:
     temperature = expand(temperature)
   cfg = cfg._replace(temperature=temperature)
   initial_index = _check_initial_index(initial_index, inputs)
@@ -854,7 +854,7 @@ def temperature_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
   """
   if max_decode_steps is not None and max_decode_steps_hard_limit:
     max_decode_steps = jnp.minimum(max_decode_steps, max_decode_steps_hard_limit)
-  per_row = not is_static_temperature(temperature) and jnp.ndim(temperature) == 1
+  per_row = not is_static(temperature) and jnp.ndim(temperature) == 1
   cfg = _LoopConfig(gamma=0, rule=speculative_rule(), temperature=temperature,
                     topk=topk, topp=topp, rescale_log_probs=rescale_log_probs,
                     confidence_threshold=0.0, adaptive_gamma=False, eos_id=eos_id,
@@ -894,7 +894,7 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
   """
   if gamma < 1:
     raise ValueError(f'gamma must be >= 1, got {gamma}.')
-  greedy = is_static_temperature(temperature) and temperature <= MIN_TEMPERATURE
+  greedy = is_static(temperature) and temperature <= MIN_TEMPERATURE
   cfg = _LoopConfig(gamma=gamma, rule=rule or speculative_rule(lenience, greedy),
                     temperature=temperature, topk=topk, topp=topp,
                     rescale_log_probs=rescale_log_probs,

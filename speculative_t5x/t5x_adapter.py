@@ -61,14 +61,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 import flax
 
 from speculative_t5x import decoding
+from speculative_t5x import gin_utils
 from speculative_t5x import models
 
 T5X_AVAILABLE = importlib.util.find_spec('t5x') is not None
 
-PACKAGE_DIR = Path(__file__).resolve().parent
 # The embedded pair's weights, as shipped.
-EMBEDDED_TARGET = PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_target.msgpack'
-EMBEDDED_DRAFT = PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_draft.msgpack'
+EMBEDDED_TARGET = gin_utils.PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_target.msgpack'
+EMBEDDED_DRAFT = gin_utils.PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_draft.msgpack'
 
 
 def packaged_file(path: str) -> str:
@@ -77,9 +77,10 @@ def packaged_file(path: str) -> str:
   For gin files run by T5X, which resolves relative paths against the working directory only.
   Raises FileNotFoundError if the package has no such file.
   """
-  found = PACKAGE_DIR / path
+  found = gin_utils.PACKAGE_DIR / path
   if not found.is_file():
-    raise FileNotFoundError(f'speculative_t5x ships no file {path!r} (looked in {PACKAGE_DIR})')
+    raise FileNotFoundError(f'speculative_t5x ships no file {path!r} (looked in '
+                            f'{gin_utils.PACKAGE_DIR})')
   return str(found)
 
 

@@ -32,11 +32,12 @@ import numpy as np
 
 from speculative_t5x import data
 from speculative_t5x import decoding
+from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import train
 
-PRETRAINED = Path(__file__).resolve().parent / 'pretrained'
-SAMPLE = Path(__file__).resolve().parent / 'samples' / 'captions_de.txt'
+PRETRAINED = gin_utils.PACKAGE_DIR / 'pretrained'
+SAMPLE = gin_utils.PACKAGE_DIR / 'samples' / 'captions_de.txt'
 # Per sentence, the target's mean log-probability of its own greedy output tokens (EOS included),
 # measured: below it are 36 of test_2016_flickr's 1000 captions (median -0.68) and 12 of 16
 # everyday and news sentences (-2.75 to -1.40); README, "What the embedded pair translates".
