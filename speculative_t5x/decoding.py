@@ -64,11 +64,14 @@ class DecodingState:
   sequences: [batch, length] int32, the tokens so far (position 0 is the BOS slot).
   cur_token: [batch, k] int32, the tokens to feed at positions cur_index + 0..k-1 (k = 1 in T5X).
   cache:     the model's cache (a `network.DecoderCache`, or T5X's flax 'cache' collection).
+  logits_at: optional [batch] int32 (not in T5X): only token logits_at[b]'s logits are needed,
+             so a tokens_to_logits may return [batch, 1, vocab]; one that ignores it returns all.
   """
   cur_index: Array
   sequences: Array
   cur_token: Array
   cache: Any
+  logits_at: Any = None
 
 
 @flax.struct.dataclass
@@ -397,13 +400,17 @@ class Verdict(NamedTuple):
   token_log_probs: Array
 
 
-def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any,
-          sequences: Array) -> Tuple[Array, Any]:
+def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any, sequences: Array,
+          logits_at: Optional[Array] = None) -> Tuple[Array, Any]:
+  """fn on tokens [batch, k] at index [batch] -> (logits [batch, k, vocab] float32, cache);
+  with logits_at [batch], the logits of token logits_at[b] only: [batch, 1, vocab]."""
   logits, new_cache = fn(DecodingState(cur_index=index, sequences=sequences, cur_token=tokens,
-                                       cache=cache))
+                                       cache=cache, logits_at=logits_at))
   cache = match_container(new_cache, cache)
   if logits.ndim == 2:
     logits = logits[:, None, :]
+  if logits_at is not None and logits.shape[1] != 1:
+    logits = jnp.take_along_axis(logits, logits_at[:, None, None], axis=1)
   return logits.astype(jnp.float32), cache
 
 
@@ -468,14 +475,15 @@ def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, f
   # entry with the same token is a no-op.
   start = jnp.maximum(state.length - 1, 0)
   first_tokens = jnp.take_along_axis(state.sequences, start[:, None] + jnp.arange(2)[None], axis=1)
-  logits, cache = _call(draft_fn, first_tokens, start, state.draft_cache, state.sequences)
+  logits, cache = _call(draft_fn, first_tokens, start, state.draft_cache, state.sequences,
+                        logits_at=state.length - start)
   zeros = jnp.zeros((batch,), jnp.int32)
   draft = Draft(
       tokens=jnp.zeros((batch, cfg.gamma), jnp.int32),
       probs=None if cfg.greedy else jnp.zeros((batch, cfg.gamma, logits.shape[-1]), jnp.float32),
       num_proposed=zeros, drafting=~state.ended & (state.gamma > 0) & (state.length < limit),
       steps=zeros, unconfident=jnp.zeros((batch,), jnp.bool_))
-  draft, rng = propose(0, logits[rows, state.length - start], draft, rng)
+  draft, rng = propose(0, logits[:, 0], draft, rng)
 
   def cond(loop):
     i, _, draft, _ = loop
@@ -877,7 +885,8 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
 
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
   draft's; both callables must write at `DecodingState.cur_index` (the project's DecoderCache).
-  gamma: the (static) maximum number of draft tokens per target call.
+  gamma: the (static) maximum number of draft tokens per target call ('auto' in a model's
+    decode_kwargs or gin is chosen per batch by `autogamma`, before this is called).
   adaptive_gamma: per row, gamma grows by 2 after a fully accepted draft and shrinks by 1 after a
     rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
     draft's top probability falls below it (the unconfident token is not proposed). Both only
@@ -892,6 +901,10 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
     the draft caches must both hold positions 0..initial_index - 1.
   Returns as `temperature_sample`.
   """
+  if gamma == 'auto':
+    raise ValueError("gamma='auto' is resolved per batch outside the jitted decoder "
+                     '(`autogamma`: the infer job and the translate command do it); give '
+                     'speculative_sample an int.')
   if gamma < 1:
     raise ValueError(f'gamma must be >= 1, got {gamma}.')
   greedy = is_static(temperature) and temperature <= MIN_TEMPERATURE

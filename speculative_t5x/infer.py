@@ -32,6 +32,7 @@ lines); see `InferError`.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import hashlib
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import speculative_t5x
+from speculative_t5x import autogamma
 from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
 from speculative_t5x import decoding
@@ -375,6 +377,8 @@ def infer(*,
           dtype: Optional[str] = 'auto',
           seed: int = 0,
           num_decodes: int = 1,
+          max_gamma: int = autogamma.MAX_GAMMA,
+          auto_min_batches: int = autogamma.MIN_BATCHES,
           progress: bool = True) -> Dict[str, Any]:
   """Decodes every example of a task split or file; returns (and writes) the run summary.
 
@@ -398,6 +402,11 @@ def infer(*,
     num_decodes: decodes per example, T5X's `predict_batch_with_aux(num_decodes=...)`: the beam
       size of beam_search / speculative_beam_search, samples per example otherwise; the best
       (highest score) is written.
+    max_gamma: with gamma='auto' (`decoding.speculative_sample.gamma = 'auto'`), the largest
+      gamma tried: gammas 0 (target alone) to max_gamma are compiled and timed on the first
+      batch, then each batch uses the one `autogamma.GammaTuner` predicts fastest (recorded
+      per example as stats.gamma, and in the summary). Jobs of fewer than auto_min_batches
+      batches skip that and use autogamma.FALLBACK_GAMMA.
     progress: show a progress bar (process 0).
   """
   wall_start = time.time()
@@ -489,7 +498,6 @@ def infer(*,
   params = partitioning.shard_params(params, shardings)
 
   local_batch = batch_size // num_processes
-  predict = partitioner.partition_predict(model, params, num_decodes=num_decodes)
 
   def make_batch(chunk_examples: Sequence[Example]) -> Dict[str, np.ndarray]:
     enc = np.zeros((local_batch, input_length), np.int32)
@@ -501,10 +509,23 @@ def infer(*,
   compile_start = time.time()
   example_batch = partitioning.shard_batch(make_batch([]), partitioner.mesh)
   rng0 = jax.random.PRNGKey(seed)
-  compiled = predict.lower(params, example_batch, rng0).compile()
+  decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
+  candidates = {None: model}
+  if autogamma.wants_auto(model, decode_kwargs):
+    # One compiled predict per candidate gamma, timed on the first batch decoded; a job too
+    # short to pay for that decodes at the fallback gamma.
+    candidates = autogamma.decoders(model, decode_kwargs, max_gamma)
+    if -(-len(examples) // batch_size) < auto_min_batches:
+      logging.info("gamma='auto': %d examples are fewer than %d batches; gamma %d, no "
+                   'calibration.', len(examples), auto_min_batches, autogamma.FALLBACK_GAMMA)
+      candidates = {autogamma.FALLBACK_GAMMA: candidates[autogamma.FALLBACK_GAMMA]}
+  compiled = {gamma: partitioner.partition_predict(m, params, num_decodes=num_decodes).lower(
+      params, example_batch, rng0).compile() for gamma, m in candidates.items()}
   compile_seconds = time.time() - compile_start
-  logging.info('Compiled the %s predict function in %.1f s.', _decode_fn_name(model.decode_fn),
+  logging.info('Compiled the %s predict function%s in %.1f s.', _decode_fn_name(model.decode_fn),
+               f's for gamma in {sorted(compiled)}' if len(compiled) > 1 else '',
                compile_seconds)
+  tuner, calibration_seconds, gammas_used = None, 0.0, collections.Counter()
 
   # Decode, chunk by chunk.
   chunk_examples = batch_size * checkpoint_period
@@ -530,10 +551,29 @@ def infer(*,
       mine = rows[process * local_batch:(process + 1) * local_batch]
       batch = partitioning.shard_batch(make_batch(mine), partitioner.mesh)
       rng = jax.random.fold_in(jax.random.fold_in(rng0, c), b)
-      decodes, aux = compiled(params, batch, rng)
+      gamma = next(iter(compiled))
+      if len(compiled) > 1:
+        if tuner is None:
+          calibration_start = time.time()
+          tuner = autogamma.calibrate(
+              {g: (lambda x, fn=fn: fn(params, x, rng)) for g, fn in compiled.items()}, batch)
+          calibration_seconds = time.time() - calibration_start
+          chunk_start += calibration_seconds  # decode_seconds: decoding only
+          logging.info('gamma=auto: %s', tuner.summary())
+        gamma = tuner.choose()
+        if num_processes > 1:  # every process must run the same program
+          from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+          gamma = int(multihost_utils.broadcast_one_to_all(np.int32(gamma)))
+      if gamma is not None:
+        gammas_used[gamma] += 1
+      decodes, aux = compiled[gamma](params, batch, rng)
       decodes, aux = _process_rows((decodes, aux), process, local_batch)
+      if tuner is not None:  # the running alpha
+        tuner.observe({k: v[:len(mine)] for k, v in aux['stats'].items()})
       for row, ex in enumerate(mine):
         stats = {k: v[row] for k, v in aux.get('stats', {}).items()}
+        if gamma is not None:
+          stats['gamma'] = gamma
         records.append(_json_record(ex, decodes[row], aux['scores'][row], stats, vocabulary,
                                     output_ids))
       if bar is not None:
@@ -567,7 +607,8 @@ def infer(*,
   summary = _summary(merged, model, report, examples, {
       'wall_seconds': time.time() - wall_start, 'compile_seconds': compile_seconds,
       'load_seconds': load_seconds, 'decode_seconds': decode_seconds,
-      'resumed_chunks': resumed, 'chunks': num_chunks}, {
+      'resumed_chunks': resumed, 'chunks': num_chunks,
+      'calibration_seconds': calibration_seconds}, {
           'target_checkpoint': target_checkpoint_path,
           'draft_checkpoint': draft_checkpoint_path if model.uses_draft else None,
           'source': input_file or f'{mixture_or_task_name}:{split}',
@@ -578,6 +619,8 @@ def infer(*,
           'dtype': str(dtype) if dtype is not None else None, 'seed': seed,
           'num_decodes': num_decodes,
           'shard': [shard_id, num_shards]})
+  summary['gamma_auto'] = None if not gammas_used else {
+      **(tuner.summary() if tuner else {}), 'batches_by_gamma': dict(sorted(gammas_used.items()))}
   _atomic_write(summary_path, json.dumps(summary, indent=2))
   _atomic_write(output_dir / 'operative_config.gin', gin.operative_config_str())
   _atomic_write(output_dir / f'{output_fname}.COMPLETED', '')

@@ -43,7 +43,7 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
     if isinstance(state, decoding.TreeDecodingState):
       return module.apply(variables, state.cur_token, cache, state.tree_depths, state.tree_mask,
                           method=network.Transformer.tree_step)
-    return module.apply(variables, state.cur_token, cache,
+    return module.apply(variables, state.cur_token, cache, logits_at=state.logits_at,
                         method=network.Transformer.decode_step)
 
   return tokens_to_logits

@@ -527,27 +527,31 @@ class Decoder(nn.Module):
       y, _ = layer(y, self_bias, layer.cross_kv(encoded), cross_bias, deterministic=deterministic)
     return self._logits(y, deterministic)
 
-  def decode_step(self, tokens: Array, cache: DecoderCache,
-                  num_new: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
+  def decode_step(self, tokens: Array, cache: DecoderCache, num_new: Optional[Array] = None,
+                  logits_at: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
     """Appends tokens [batch, k] at each row's own `cache.index`; returns logits [batch, k, vocab].
 
     Token j of row b sits at position `cache.index[b] + j` and attends to every cached position
     up to its own. The new index is `index + num_new` ([batch], default k): rows that fed padding
     after their real tokens keep those entries beyond their index, where they are never read.
+    logits_at: optional [batch] int32; then only token logits_at[b]'s logits are computed:
+    [batch, 1, vocab] (the output projection is most of a small model's step).
     """
     k = tokens.shape[1]
     positions = cache.index[:, None] + jnp.arange(k)[None, :]  # [batch, k]
     key_positions = jnp.arange(cache.max_length)
     self_mask = key_positions[None, None, None, :] <= positions[:, None, :, None]
     self_bias = self.relpos_bias(positions, key_positions) + _mask_bias(self_mask)
-    logits, new_cache = self._cached_step(tokens, cache, positions, self_bias)
+    logits, new_cache = self._cached_step(tokens, cache, positions, self_bias, logits_at)
     advance = k if num_new is None else num_new
     return logits, new_cache.replace(index=cache.index + advance)
 
   def _cached_step(self, tokens: Array, cache: DecoderCache, write_slots: Array,
-                   self_bias: Array) -> Tuple[Array, DecoderCache]:
+                   self_bias: Array, logits_at: Optional[Array] = None
+                   ) -> Tuple[Array, DecoderCache]:
     """Writes tokens [batch, k] at cache slots write_slots [batch, k], attends with self_bias
-    [batch, heads, k, max_length]; returns (logits [batch, k, vocab], cache, index unchanged)."""
+    [batch, heads, k, max_length]; returns (logits [batch, k, vocab], or [batch, 1, vocab] at
+    the offsets logits_at [batch], cache, index unchanged)."""
     cross_bias = _mask_bias(cache.encoder_mask[:, None, None, :])
     y = self.shared_embedding(tokens)
     keys, values = [], []
@@ -557,6 +561,8 @@ class Decoder(nn.Module):
       keys.append(key)
       values.append(value)
     new_cache = cache.replace(self_key=tuple(keys), self_value=tuple(values))
+    if logits_at is not None:
+      y = jnp.take_along_axis(y, logits_at[:, None, None], axis=1)
     return self._logits(y, deterministic=True), new_cache
 
   def tree_step(self, tokens: Array, cache: DecoderCache, tree_depths: Array,
@@ -645,10 +651,11 @@ class Transformer(nn.Module):
                         cross_value=tuple(v for _, v in cross),
                         encoder_mask=encoder_input_tokens > 0)
 
-  def decode_step(self, tokens: Array, cache: DecoderCache,
-                  num_new: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
-    """Cached decoding of a chunk tokens [batch, k] -> (logits [batch, k, vocab], cache)."""
-    return self.decoder.decode_step(tokens, cache, num_new)
+  def decode_step(self, tokens: Array, cache: DecoderCache, num_new: Optional[Array] = None,
+                  logits_at: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
+    """Cached decoding of a chunk tokens [batch, k] -> (logits [batch, k, vocab], cache);
+    see `Decoder.decode_step`."""
+    return self.decoder.decode_step(tokens, cache, num_new, logits_at)
 
   def tree_step(self, tokens: Array, cache: DecoderCache, tree_depths: Array,
                 tree_mask: Array) -> Tuple[Array, DecoderCache]:

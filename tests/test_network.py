@@ -111,6 +111,27 @@ def test_chunked_cache_equals_full_forward(overrides, batch):
   assert err < 1e-5, err
 
 
+@pytest.mark.parametrize('overrides', [CACHE_CONFIGS[0], CACHE_CONFIGS[2]])
+def test_logits_at_selects_one_token_per_row(overrides):
+  """decode_step(logits_at=...) gives each row's chosen token's logits and the same cache."""
+  cfg = tiny_config(**overrides)
+  module, params = random_model(cfg, seed=5)
+  batch = 3
+  enc = ragged_tokens(jax.random.PRNGKey(8), batch, 6, cfg.vocab_size)
+  cache, _ = start_decoding(module, params, enc, 10)
+  cache = cache.with_index(jnp.array([0, 2, 4], jnp.int32))
+  tokens = jax.random.randint(jax.random.PRNGKey(9), (batch, 3), 2, cfg.vocab_size)
+  at = jnp.array([2, 0, 1], jnp.int32)
+  step = lambda **kw: module.apply({'params': params}, tokens, cache,
+                                   method=network.Transformer.decode_step, **kw)
+  all_logits, all_cache = step()
+  one, one_cache = step(logits_at=at)
+  assert one.shape == (batch, 1, cfg.vocab_size)
+  np.testing.assert_allclose(one[:, 0], all_logits[np.arange(batch), at], atol=1e-6)
+  for a, b in zip(jax.tree_util.tree_leaves(all_cache), jax.tree_util.tree_leaves(one_cache)):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize('overrides', CACHE_CONFIGS[:2])
 def test_rollback_equals_fresh_run(overrides):
   cfg = tiny_config(**overrides)
