@@ -28,18 +28,22 @@ acceptance_by_position.png.
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from speculative_t5x import autogamma
+from speculative_t5x import beam_search
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import models
@@ -52,16 +56,19 @@ OUTPUT_LENGTH = 64
 BILD_FALLBACKS = (0.4, 0.6, 0.8)
 BILD_ROLLBACKS = (2.0, 3.0, 5.0)
 BILD_MAX_SMALL_STEPS = 10  # bild_decode's default, the paper's
+BEAM_ALPHA = 0.6  # T5X's brevity penalty default
 
 
 class Setting(NamedTuple):
   """One decoding configuration of the grid."""
-  method: str                    # 'baseline', 'speculative' or 'bild'
+  method: str      # 'baseline', 'speculative', 'bild', 'beam' or 'speculative_beam'
   temperature: float = 0.0
-  gamma: int = 0                 # speculative: (maximum) draft tokens per target call
+  gamma: Union[int, str] = 0     # speculative: (maximum) draft tokens per target call, or 'auto'
   adaptive: bool = False
   fallback: float = 0.0          # bild
   rollback: float = 0.0          # bild
+  beam: int = 0                  # beam and speculative_beam: the beam size (num_decodes)
+  branching: str = ''            # speculative_beam: the token tree's children per depth, '4,2'
 
   @property
   def name(self) -> str:
@@ -69,11 +76,30 @@ class Setting(NamedTuple):
       return f'target-only T={self.temperature:g}'
     if self.method == 'bild':
       return f'BiLD fb={self.fallback:g} rb={self.rollback:g}'
+    if self.method == 'beam':
+      return f'beam_search beam={self.beam}'
+    if self.method == 'speculative_beam':
+      return f'speculative beam={self.beam} tree={self.branching}'
     gamma = f'adaptive<={self.gamma}' if self.adaptive else f'gamma={self.gamma}'
     return f'speculative {gamma} T={self.temperature:g}'
 
+  @property
+  def baseline(self) -> 'Setting':
+    """What this setting's speedup is measured against (the same search on the target alone)."""
+    if self.method in ('beam', 'speculative_beam'):
+      return Setting('beam', beam=self.beam)
+    return Setting('baseline', self.temperature if self.method != 'bild' else 0.0)
+
+  @property
+  def tree(self) -> Tuple[int, ...]:
+    return tuple(int(b) for b in self.branching.split(',') if b)
+
   def decoder(self):
     """(decode_fn, decode_kwargs) for models.EncoderDecoderModel."""
+    if self.method == 'beam':
+      return beam_search.beam_search, {'alpha': BEAM_ALPHA}
+    if self.method == 'speculative_beam':
+      return beam_search.speculative_beam_search, {'alpha': BEAM_ALPHA, 'branching': self.tree}
     if self.method == 'baseline':
       # topk=0: T5X's temperature_sample defaults to top-1, i.e. greedy even at temperature 1.
       return decoding.temperature_sample, {'temperature': self.temperature, 'topk': 0}
@@ -88,8 +114,9 @@ def grid(quick: bool, gammas: Sequence[int] = range(1, 9),
          sampling_gammas: Sequence[int] = range(1, 9),
          bild: Sequence[Tuple[float, float]] = tuple(
              (f, r) for f in BILD_FALLBACKS for r in BILD_ROLLBACKS),
-         adaptive: bool = True) -> List[Setting]:
-  """The configurations: baselines, speculative gammas at T=0 and T=1, BiLD (fallback, rollback)."""
+         adaptive: bool = True, beams: Sequence[Tuple[int, str]] = ()) -> List[Setting]:
+  """The configurations: baselines, speculative gammas at T=0 and T=1, BiLD (fallback,
+  rollback), and beam_search against speculative beam search for each (beam, branching)."""
   if quick:
     return [Setting('baseline'), Setting('speculative', gamma=4),
             Setting('speculative', gamma=8, adaptive=True), Setting('bild', fallback=0.6,
@@ -101,8 +128,13 @@ def grid(quick: bool, gammas: Sequence[int] = range(1, 9),
     settings.append(Setting('baseline', temperature))
     settings += [Setting('speculative', temperature, gamma) for gamma in temperature_gammas]
     if adaptive:
-      settings.append(Setting('speculative', temperature, max(temperature_gammas), adaptive=True))
+      settings.append(Setting('speculative', temperature,
+                              max(g for g in temperature_gammas if g != autogamma.AUTO),
+                              adaptive=True))
   settings += [Setting('bild', fallback=f, rollback=r) for f, r in bild]
+  for beam in sorted({b for b, _ in beams}):
+    settings.append(Setting('beam', beam=beam))
+    settings += [Setting('speculative_beam', beam=beam, branching=t) for b, t in beams if b == beam]
   return settings
 
 
@@ -180,22 +212,56 @@ def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int) -> List[D
           for start in range(0, len(token_rows), batch_size)]
 
 
-def compile_setting(setting: Setting, configs, params, batches, seed: int = 0):
-  """(one_pass, compile seconds): one_pass() decodes every batch once with `setting`."""
+def compile_setting(setting: Setting, configs, params, batches, seed: int = 0
+                    ) -> Tuple[Callable[[], List[Any]], float, Dict[str, Any]]:
+  """(one_pass, compile seconds, info): one_pass() decodes every batch once with `setting`.
+
+  gamma='auto' compiles gamma 0..autogamma.MAX_GAMMA, calibrates on the first batches (seconds
+  in info['calibration_s'], not in compile seconds) and then chooses per batch, as the infer
+  job does; info['gammas_used'] counts the choices of every pass.
+  """
   decode_fn, kwargs = setting.decoder()
   model = models.EncoderDecoderModel(configs['target'], configs['draft'], decode_fn=decode_fn,
                                      decode_kwargs=kwargs, eos_id=data.EOS_ID)
   rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]
+  auto = autogamma.wants_auto(model, kwargs)
+  candidates = autogamma.decoders(model, kwargs) if auto else {None: model}
+  predict_kwargs = {'num_decodes': setting.beam} if setting.beam else {}
   start = time.perf_counter()
-  predict = jax.jit(model.predict_batch_with_aux).lower(params, batches[0], rngs[0]).compile()
+  predicts = {g: jax.jit(functools.partial(m.predict_batch_with_aux, **predict_kwargs)).lower(
+      params, batches[0], rngs[0]).compile() for g, m in candidates.items()}
   compile_s = time.perf_counter() - start
-  return (lambda: [predict(params, b, r) for b, r in zip(batches, rngs)]), compile_s
+  if not auto:
+    predict = predicts[None]
+    return (lambda: [predict(params, b, r) for b, r in zip(batches, rngs)]), compile_s, {}
+  start = time.perf_counter()
+  count = autogamma.calibration_batches(batches[0]['encoder_input_tokens'].shape[0], len(batches))
+  tuner = autogamma.calibrate({g: (lambda b, p=p: p(params, b, rngs[0]))
+                               for g, p in predicts.items()}, batches[:count])
+  info = {'calibration_s': time.perf_counter() - start, 'calibration': tuner.summary(),
+          'gammas_used': collections.Counter()}
+
+  def one_pass():
+    outputs = []
+    for b, r in zip(batches, rngs):
+      gamma = tuner.choose()
+      decodes, aux = predicts[gamma](params, b, r)
+      stats = {k: np.asarray(v) for k, v in aux['stats'].items()}
+      tuner.observe(stats)
+      info['gammas_used'][gamma] += 1
+      # accepted_at is [batch, max(gamma, 1)]: pad to one width for the whole pass.
+      at = stats['accepted_at']
+      stats['accepted_at'] = np.pad(at, ((0, 0), (0, autogamma.MAX_GAMMA - at.shape[1])))
+      outputs.append((decodes, {**aux, 'stats': stats}))
+    return outputs
+
+  return one_pass, compile_s, info
 
 
 def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
                 repeats: int, seed: int = 0) -> Dict[str, Any]:
   """Compiles and times one setting over all batches; returns its decodes, stats and times."""
-  one_pass, compile_s = compile_setting(setting, configs, params, batches, seed)
+  one_pass, compile_s, info = compile_setting(setting, configs, params, batches, seed)
   outputs = jax.block_until_ready(one_pass())  # warm-up, and the outputs
   passes = [_timed(one_pass) for _ in range(repeats)]
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
@@ -205,20 +271,29 @@ def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
              for k in outputs[0][1]['stats']}
   return {'decodes': decodes, 'stats': stats, 'compile_s': compile_s,
           'ms_per_sentence': 1e3 * float(np.median(passes)) / num_sentences,
-          'pass_seconds': passes}
+          'pass_seconds': passes, **info}
 
 
 def best_settings(rows: Sequence[Dict[str, Any]]) -> List[Setting]:
-  """The baselines and the fastest greedy, sampling and BiLD configurations of a batch block."""
+  """The baselines, the fastest greedy, sampling and BiLD configurations of a batch block, and
+  gamma='auto' where it ran (to compare it with the best fixed gamma)."""
   chosen = []
-  for method, temperature in (('speculative', 0.0), ('speculative', 1.0), ('bild', 0.0)):
+  for method, temperature in (('speculative', 0.0), ('speculative', 1.0), ('bild', 0.0),
+                              ('speculative_beam', 0.0)):
     candidates = [r for r in rows if r['method'] == method and r['temperature'] == temperature]
-    if method == 'speculative' and candidates:
-      chosen.append(Setting('baseline', temperature))
-    if candidates:
-      best = max(candidates, key=lambda r: r['speedup'])
-      chosen.append(Setting(*(best[f] for f in Setting._fields)))
+    if method != 'bild' and candidates:
+      chosen.append(_setting(candidates[0]).baseline)
+    fixed = [r for r in candidates if r['gamma'] != autogamma.AUTO]
+    if fixed:
+      best = max(fixed, key=lambda r: r['speedup'])
+      chosen.append(_setting(best))
+    chosen += [_setting(r) for r in candidates if r['gamma'] == autogamma.AUTO]
   return chosen
+
+
+def _setting(row: Dict[str, Any]) -> Setting:
+  """The Setting of a results row (rows of older runs lack the newer fields)."""
+  return Setting(**{f: row[f] for f in Setting._fields if f in row})
 
 
 def interleaved(settings: Sequence[Setting], configs, params, batches, num_sentences: int,
@@ -235,8 +310,7 @@ def interleaved(settings: Sequence[Setting], configs, params, batches, num_sente
       times[s].append(_timed(one_pass))
   rows = []
   for s in settings:
-    base = Setting('baseline', s.temperature if s.method != 'bild' else 0.0)
-    ratios = np.array(times[base]) / np.array(times[s])
+    ratios = np.array(times[s.baseline]) / np.array(times[s])
     rows.append({'name': s.name, 'ms_per_sentence': 1e3 * float(np.median(times[s])) /
                  num_sentences, 'speedup': float(np.median(ratios)),
                  'speedup_min': float(ratios.min()), 'speedup_max': float(ratios.max())})
@@ -269,7 +343,9 @@ def summarize(setting: Setting, run: Dict[str, Any], baseline: Dict[str, Any],
          'same_as_baseline': float(np.mean(np.all(run['decodes'] == baseline['decodes'], axis=1))),
          'target_step_ms': steps['target'][1]}
   s = run['stats']
-  if setting.method == 'baseline' or not s:
+  if setting.method == 'speculative_beam':
+    return {**row, **beam_row(setting, s, steps)}
+  if setting.method in ('baseline', 'beam') or not s:
     row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1) + 1))
     return row
   totals = {k: int(v.sum()) for k, v in s.items() if k != 'accepted_at'}
@@ -287,13 +363,21 @@ def summarize(setting: Setting, run: Dict[str, Any], baseline: Dict[str, Any],
              fallbacks=totals['fallbacks'], rollbacks=totals['rollbacks'],
              # P(the first i+1 proposals of a target call were all accepted), i = 0..gamma-1.
              accepted_at=(s['accepted_at'].sum(axis=0) / calls).tolist())
+  gamma = setting.gamma
+  if gamma == autogamma.AUTO:
+    # Predictions for the gamma chosen most often.
+    gamma = run['gammas_used'].most_common(1)[0][0]
+    row.update(gammas_used={str(g): n for g, n in sorted(run['gammas_used'].items())},
+               calibration_s=run['calibration_s'], calibration=run['calibration'])
+    if gamma == 0:
+      return row
   # The verify chunk is always (static gamma) + 1 tokens wide; BiLD's gamma is max_small_steps.
-  verify_k = (setting.gamma if setting.method == 'speculative' else BILD_MAX_SMALL_STEPS) + 1
+  verify_k = (gamma if setting.method == 'speculative' else BILD_MAX_SMALL_STEPS) + 1
   c = steps['draft'][1] / steps['target'][1]
   row.update(c=c, c_hat=c_hat, draft_step_ms=steps['draft'][1],
              verify_step_ms=steps['target'].get(verify_k))
   if setting.method == 'speculative':
-    mean_gamma = proposed / calls if setting.adaptive else setting.gamma
+    mean_gamma = proposed / calls if setting.adaptive else gamma
     prediction = predicted_speedup(alpha, mean_gamma, c)
     row.update(gamma_mean=mean_gamma, predicted_speedup=prediction,
                efficiency=row['speedup'] / prediction,
@@ -307,6 +391,43 @@ def summarize(setting: Setting, run: Dict[str, Any], baseline: Dict[str, Any],
               steps['target'][verify_k])
       row['step_cost_prediction'] = tokens * steps['target'][1] / cost
   return row
+
+
+def tree_levels(branching: Sequence[int]) -> List[int]:
+  """Nodes per depth of one beam's token tree (root first): (4, 2) -> [1, 4, 8]."""
+  levels = [1]
+  for b in branching:
+    levels.append(levels[-1] * b)
+  return levels
+
+
+def beam_steps_ms(configs, params, rows: int, branching: Sequence[int]
+                  ) -> Dict[str, Dict[int, float]]:
+  """Step times for speculative beam search's calls at `rows` = batch x beam decoder rows: the
+  target with 1 token (a beam_search step) and with the whole tree, the draft per tree level."""
+  levels = tree_levels(branching)
+  return {'target': step_times_ms(configs['target'], params['target'], rows, (1, sum(levels))),
+          'draft': step_times_ms(configs['draft'], params['draft'], rows,
+                                 sorted(set(levels[:-1])))}
+
+
+def beam_row(setting: Setting, stats: Dict[str, np.ndarray],
+             steps: Dict[str, Dict[int, float]]) -> Dict[str, Any]:
+  """Speculative beam search's columns: beam steps and tree nodes per target call, and the
+  step-cost prediction (steps per call x a beam_search step / (draft levels + tree verify)).
+
+  stats are per example: `emitted` counts beam steps, `proposed` tree nodes below the roots.
+  """
+  levels = tree_levels(setting.tree)
+  calls = max(int(stats['target_calls'].sum()), 1)
+  steps_per_call = int(stats['emitted'].sum()) / calls
+  cost = sum(steps['draft'][n] for n in levels[:-1]) + steps['target'][sum(levels)]
+  return {'steps_per_call': steps_per_call, 'tokens_per_call': steps_per_call,
+          'nodes_per_call': int(stats['proposed'].sum()) / calls + 1,
+          'target_calls': calls, 'beam_step_ms': steps['target'][1],
+          'verify_step_ms': steps['target'][sum(levels)],
+          'draft_step_ms': sum(steps['draft'][n] for n in levels[:-1]),
+          'step_cost_prediction': steps_per_call * steps['target'][1] / cost}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,6 +527,19 @@ def markdown(results: Dict[str, Any]) -> str:
           _fmt(r.get('draft_step_ms'), '.2f'), _fmt(r.get('verify_step_ms'), '.2f'),
           _fmt(r['compile_s'], '.1f')]) + ' |')
     lines.append('')
+    beams = [r for r in block['rows'] if r['method'] == 'speculative_beam']
+    if beams:
+      lines += ['Speculative beam search against beam_search (batch x beam decoder rows; '
+                '"beam step" is one beam_search target call, "verify" one call over the whole '
+                'tree, "draft" the tree\'s draft levels):', '',
+                '| configuration | speedup | same beams | beam steps/call | tree nodes/call | '
+                'beam step ms | verify ms | draft ms | step-cost pred. |', '|---|---|---|---|---|'
+                '---|---|---|---|']
+      lines += [f"| {r['name']} | {r['speedup']:.2f}x | {r['same_as_baseline']:.0%} | "
+                f"{r['steps_per_call']:.2f} | {r['nodes_per_call']:.1f} | "
+                f"{r['beam_step_ms']:.2f} | {r['verify_step_ms']:.2f} | "
+                f"{r['draft_step_ms']:.2f} | {r['step_cost_prediction']:.2f} |" for r in beams]
+      lines.append('')
     if block.get('interleaved'):
       lines += [f"Interleaved re-timing (`{results['meta'].get('confirm_command', '--confirm')}`"
                 '): median over rounds of the per-round ratio to the baseline.', '',
@@ -438,7 +572,8 @@ def plots(results: Dict[str, Any], out_dir: Path) -> List[str]:
   for batch_size, block in results['batches'].items():
     for temperature, style in ((0.0, '-'), (1.0, ':')):
       rows = sorted((r for r in block['rows'] if r['method'] == 'speculative' and
-                     not r['adaptive'] and r['temperature'] == temperature),
+                     not r['adaptive'] and r['temperature'] == temperature and
+                     r['gamma'] != autogamma.AUTO),
                     key=lambda r: r['gamma'])
       if not rows:
         continue
@@ -458,7 +593,8 @@ def plots(results: Dict[str, Any], out_dir: Path) -> List[str]:
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for batch_size, block in results['batches'].items():
-    fixed = [r for r in block['rows'] if r['method'] == 'speculative' and not r['adaptive']]
+    fixed = [r for r in block['rows'] if r['method'] == 'speculative' and not r['adaptive'] and
+             r['gamma'] != autogamma.AUTO]
     for temperature in sorted({r['temperature'] for r in fixed}):
       r = max((r for r in fixed if r['temperature'] == temperature), key=lambda r: r['gamma'])
       # accepted_at[i]: P(positions 0..i all accepted); the ratio conditions on reaching i.
@@ -523,13 +659,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       help='batch_size:number_of_sentences pairs (the first N test sentences)')
   parser.add_argument('--repeats', type=int, default=3, help='timed passes per configuration')
   parser.add_argument('--quick', action='store_true', help='4 configurations, 16 sentences')
-  parser.add_argument('--gammas', default='1,2,3,4,5,6,7,8', help='greedy speculative gammas')
+  parser.add_argument('--gammas', default='1,2,3,4,5,6,7,8,auto',
+                      help="greedy speculative gammas ('auto': autogamma, as the infer job)")
   parser.add_argument('--sampling_gammas', default='1,2,3,4,5,6,7,8',
                       help='speculative gammas at temperature 1 (empty: none)')
   parser.add_argument('--bild', default=','.join(f'{f}:{r}' for f in BILD_FALLBACKS
                                                  for r in BILD_ROLLBACKS),
                       help='BiLD fallback:rollback pairs (empty: none)')
   parser.add_argument('--no_adaptive', action='store_true', help='skip adaptive gamma')
+  parser.add_argument('--beams', default='',
+                      help='beam:branching pairs for beam_search vs speculative beam search, '
+                           "e.g. '4:8,4:4;2' (branching per depth separated by ';'; empty: none)")
   parser.add_argument('--no_hf', action='store_true', help='skip HF assisted generation')
   parser.add_argument('--hf_gammas', default='4', help='constant HF assistant lengths to run')
   parser.add_argument('--target', default=str(PRETRAINED / 'multi30k_de_en_target.msgpack'))
@@ -562,13 +702,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     configs[name], params[name], _ = train.load_weights(path)
   c_hat = configs['draft'].decode_flops_per_token() / configs['target'].decode_flops_per_token()
   try:
-    ints = lambda spec: [int(g) for g in spec.split(',') if g]
+    ints = lambda spec: [g if g == autogamma.AUTO else int(g) for g in spec.split(',') if g]
     bild = [tuple(float(v) for v in pair.split(':')) for pair in args.bild.split(',') if pair]
+    beams = [(int(pair.split(':')[0]), pair.split(':')[1].replace(';', ','))
+             for pair in args.beams.split(',') if pair]
     settings = grid(args.quick, ints(args.gammas), ints(args.sampling_gammas), bild,
-                    not args.no_adaptive)
-  except ValueError:
-    raise SystemExit('error: --gammas/--sampling_gammas want integers like 1,2,3 and --bild '
-                     'fallback:rollback pairs like 0.6:5')
+                    not args.no_adaptive, beams)
+  except (ValueError, IndexError):
+    raise SystemExit("error: --gammas/--sampling_gammas want integers (or 'auto') like 1,2,auto, "
+                     '--bild fallback:rollback pairs like 0.6:5 and --beams beam:branching '
+                     'pairs like 4:8')
   # Decode-time weight layouts, computed once as a loaded checkpoint would be prepared.
   prepared = jax.jit(models.EncoderDecoderModel(
       configs['target'], configs['draft']).with_decode_variables)(params)
@@ -613,11 +756,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     baselines = {}
     for setting in settings:
       run = run_setting(setting, configs, prepared, batches, count, args.repeats)
-      if setting.method == 'baseline':
-        baselines[setting.temperature] = run
-      row = summarize(setting, run, baselines[setting.temperature if setting.method != 'bild'
-                                              else 0.0],
-                      steps, c_hat, references[:count])
+      if setting.baseline == setting:
+        baselines[setting] = run
+      setting_steps = steps
+      if setting.method == 'speculative_beam':
+        setting_steps = beam_steps_ms(configs, params, batch_size * setting.beam, setting.tree)
+      row = summarize(setting, run, baselines[setting.baseline], setting_steps, c_hat,
+                      references[:count])
       block['rows'].append(row)
       done += 1
       print(f'[{done}/{total} {time.perf_counter() - started:.0f}s] batch {batch_size} '
@@ -628,7 +773,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if batch_size == 1 and not args.no_hf:
       try:
         results['hf'] = hf_rows(configs, params, sources[:count], references[:count],
-                                baselines[0.0]['decodes'], baselines[0.0]['ms_per_sentence'],
+                                baselines[Setting('baseline')]['decodes'],
+                                baselines[Setting('baseline')]['ms_per_sentence'],
                                 args.repeats, [int(g) for g in args.hf_gammas.split(',')])
         for r in results['hf']:
           print(f"HF {r['name']}: {r['ms_per_sentence']:.1f} ms/sentence, "

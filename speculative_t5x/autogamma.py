@@ -4,8 +4,9 @@ The paper's expected output tokens per target call, E(alpha, gamma) = (1 - alpha
 (1 - alpha), sets how many loop iterations a batch needs; what one iteration costs at each gamma
 has to be measured. Timing single target and draft calls predicts it badly on a CPU (a verify
 call inside the jitted loop costs far less than a dispatched call, and the loop's own per-round
-work is not in either), so `calibrate` times the real thing: the job's first batch decoded with
-every candidate gamma (0 = target-only), interleaved, median of `repeats`. Afterwards
+work is not in either), so `calibrate` times the real thing: the job's first batches
+(CALIBRATION_ROWS rows) decoded with every candidate gamma (0 = target-only), interleaved,
+median of `repeats`. Afterwards
 `GammaTuner` predicts a batch's time at each gamma as its measured time rescaled by
 E(alpha_at_calibration, gamma) / E(alpha_now, gamma) as the running alpha (accepted /
 (accepted + rejections), the paper's alpha) drifts, and picks the fastest.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -31,9 +32,10 @@ from speculative_t5x import models
 AUTO = 'auto'
 # Candidates: target-only and gamma 1..MAX_GAMMA (each is one compilation of the decode loop).
 MAX_GAMMA = 4
-# Calibration compiles MAX_GAMMA + 1 loops and decodes the first batch 4 (MAX_GAMMA + 1) times:
-# a job of fewer batches than this uses FALLBACK_GAMMA instead (the embedded pair's best at
-# batch 1 on the benchmark).
+# Calibration decodes the first batches (at least CALIBRATION_ROWS rows) 4 (MAX_GAMMA + 1) times
+# after compiling MAX_GAMMA + 1 loops: a job of fewer batches than MIN_BATCHES uses
+# FALLBACK_GAMMA instead (the embedded pair's best at batch 1 on the benchmark).
+CALIBRATION_ROWS = 16
 MIN_BATCHES = 16
 FALLBACK_GAMMA = 2
 
@@ -91,33 +93,41 @@ class GammaTuner:
             'predicted_ms': {g: round(self.predicted_ms(g), 3) for g in self.batch_ms}}
 
 
-def calibrate(predicts: Mapping[int, Predict], batch: Any, repeats: int = 3,
+def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: int = 3,
               clock: Callable[[], float] = time.perf_counter) -> GammaTuner:
-  """Times predicts[g](batch) for every candidate gamma g, round-robin, `repeats` rounds after
-  one untimed call each (compilation), and returns the tuner with the medians.
+  """Times predicts[g] over `batches` for every candidate gamma g, round-robin, `repeats`
+  rounds after one untimed pass each, and returns the tuner with the medians (ms per batch).
 
-  predicts must include 0 (target-only). clock is injectable for tests.
+  predicts must include 0 (target-only). Use at least CALIBRATION_ROWS rows in all: one short
+  sentence says little about alpha, and this machine's speed drifts between passes. clock is
+  injectable for tests.
   """
   if 0 not in predicts:
     raise ValueError('calibrate needs the target-only decoder (gamma 0) as a candidate.')
-  if repeats < 1:
-    raise ValueError(f'repeats must be >= 1, got {repeats}.')
+  if repeats < 1 or not batches:
+    raise ValueError(f'calibrate needs batches and repeats >= 1, got {len(batches)} batches '
+                     f'and repeats={repeats}.')
   counts = {}
   for gamma, predict in predicts.items():
-    _, aux = _block(predict(batch))
-    counts[gamma] = _counts(aux['stats'])
+    outputs = _block([predict(batch) for batch in batches])
+    counts[gamma] = tuple(sum(_counts(aux['stats'])[i] for _, aux in outputs) for i in (0, 1))
   times = {gamma: [] for gamma in predicts}
   for _ in range(repeats):
     for gamma, predict in predicts.items():
       start = clock()
-      _block(predict(batch))
-      times[gamma].append(1e3 * (clock() - start))
+      _block([predict(batch) for batch in batches])
+      times[gamma].append(1e3 * (clock() - start) / len(batches))
   speculative = [g for g in predicts if g > 0]
   return GammaTuner(
       batch_ms={g: float(np.median(t)) for g, t in times.items()},
       calibration_alpha={g: counts[g][0] / max(sum(counts[g]), 1) for g in speculative},
       accepted=sum(counts[g][0] for g in speculative),
       rejected=sum(counts[g][1] for g in speculative))
+
+
+def calibration_batches(batch_size: int, available: int) -> int:
+  """How many batches of batch_size rows `calibrate` should use (of `available`)."""
+  return max(1, min(available, -(-CALIBRATION_ROWS // batch_size)))
 
 
 def _block(outputs: Any) -> Any:

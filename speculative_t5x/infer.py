@@ -42,7 +42,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from absl import flags
 from absl import logging
@@ -555,8 +555,8 @@ def infer(*,
       if len(compiled) > 1:
         if tuner is None:
           calibration_start = time.time()
-          tuner = autogamma.calibrate(
-              {g: (lambda x, fn=fn: fn(params, x, rng)) for g, fn in compiled.items()}, batch)
+          tuner = _calibrate(compiled, params, examples, batch_size, local_batch, process,
+                             make_batch, partitioner.mesh, rng0)
           calibration_seconds = time.time() - calibration_start
           chunk_start += calibration_seconds  # decode_seconds: decoding only
           logging.info('gamma=auto: %s', tuner.summary())
@@ -626,6 +626,20 @@ def infer(*,
   _atomic_write(output_dir / f'{output_fname}.COMPLETED', '')
   logging.info('Wrote %d predictions to %s; summary %s', len(merged), output_path, summary_path)
   return summary
+
+
+def _calibrate(compiled: Mapping[int, Any], params: Any, examples: Sequence[Example],
+               batch_size: int, local_batch: int, process: int, make_batch: Callable,
+               mesh: Any, rng: jax.Array) -> autogamma.GammaTuner:
+  """gamma='auto': times every compiled gamma on the job's first batches."""
+  count = autogamma.calibration_batches(batch_size, -(-len(examples) // batch_size))
+  batches = []
+  for b in range(count):
+    rows = examples[b * batch_size:(b + 1) * batch_size]
+    mine = rows[process * local_batch:(process + 1) * local_batch]
+    batches.append(partitioning.shard_batch(make_batch(mine), mesh))
+  return autogamma.calibrate(
+      {g: (lambda batch, fn=fn: fn(params, batch, rng)) for g, fn in compiled.items()}, batches)
 
 
 def _process_rows(outputs: Any, process: int, local_batch: int) -> Any:

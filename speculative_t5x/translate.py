@@ -21,6 +21,8 @@ Multi30k's licence limits the embedded models to non-commercial research and edu
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import sys
 import time
 from pathlib import Path
@@ -30,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from speculative_t5x import autogamma
 from speculative_t5x import data
-from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import train
@@ -103,9 +105,10 @@ def main(argv: Sequence[str] = None) -> None:
   parser.add_argument('sentences', nargs='*', help='German image captions (default: piped '
                       'stdin, else a bundled sample)')
   parser.add_argument('--file', help='a file with one German sentence per line')
-  parser.add_argument('--gamma', type=int, default=2,
-                      help='draft tokens per target call (2: the fastest on the benchmark at '
-                           'batch 1; 1 at batch 8 and more)')
+  parser.add_argument('--gamma', default=autogamma.AUTO,
+                      help="draft tokens per target call, or 'auto' (default): timed per "
+                           f'gamma on the first batches when there are at least '
+                           f'{autogamma.MIN_BATCHES} batches, else {autogamma.FALLBACK_GAMMA}')
   parser.add_argument('--batch_size', type=int, default=8,
                       help='at most this many sentences per batch (fewer sentences: one batch '
                            'of exactly that many, so no padding rows are decoded)')
@@ -114,8 +117,13 @@ def main(argv: Sequence[str] = None) -> None:
   parser.add_argument('--draft', default=str(PRETRAINED / 'multi30k_de_en_draft.msgpack'),
                       help='draft weights; default: embedded')
   args = parser.parse_args(argv)
-  if args.gamma < 1 or args.batch_size < 1:
-    raise SystemExit('error: --gamma and --batch_size must be at least 1.')
+  if args.gamma != autogamma.AUTO:
+    try:
+      args.gamma = int(args.gamma)
+    except ValueError:
+      args.gamma = 0
+  if args.gamma != autogamma.AUTO and args.gamma < 1 or args.batch_size < 1:
+    raise SystemExit("error: --gamma must be 'auto' or at least 1, and --batch_size at least 1.")
   sentences = _read_sentences(args)
   args.batch_size = min(args.batch_size, len(sentences))
 
@@ -131,14 +139,33 @@ def main(argv: Sequence[str] = None) -> None:
   batch = _batch(sentences, args.batch_size)
   chunks = [{k: jnp.asarray(v[i:i + args.batch_size]) for k, v in batch.items()}
             for i in range(0, len(batch['encoder_input_tokens']), args.batch_size)]
-  predicts = {}
-  for name, fn, kwargs in (
-      ('speculative', decoding.speculative_sample, {'temperature': 0.0, 'gamma': args.gamma}),
-      ('target-only', decoding.temperature_sample, {'temperature': 0.0})):
-    model = models.EncoderDecoderModel(target_config, draft_config, decode_fn=fn,
-                                       decode_kwargs=kwargs, eos_id=data.EOS_ID)
-    predicts[name] = jax.jit(model.predict_batch_with_aux)
-    jax.block_until_ready(predicts[name](params, chunks[0]))  # compile
+  model = models.EncoderDecoderModel(target_config, draft_config,
+                                     decode_kwargs={'temperature': 0.0, 'gamma': args.gamma},
+                                     eos_id=data.EOS_ID)
+  gammas = [args.gamma]
+  if args.gamma == autogamma.AUTO:
+    gammas = [autogamma.FALLBACK_GAMMA]
+    if len(chunks) >= autogamma.MIN_BATCHES:
+      gammas = list(range(1, autogamma.MAX_GAMMA + 1))
+  decoders = autogamma.decoders(model, model.decode_kwargs, max(gammas))
+  compiled = {g: jax.jit(decoders[g].predict_batch_with_aux) for g in [0] + gammas}
+  for predict in compiled.values():
+    jax.block_until_ready(predict(params, chunks[0]))  # compile
+  tuner, gammas_used = None, collections.Counter()
+  if len(gammas) > 1:
+    count = autogamma.calibration_batches(args.batch_size, len(chunks))
+    tuner = autogamma.calibrate({g: functools.partial(p, params) for g, p in compiled.items()},
+                                chunks[:count])
+
+  def speculative(params, chunk):
+    gamma = tuner.choose() if tuner else gammas[0]
+    gammas_used[gamma] += 1
+    decodes, aux = compiled[gamma](params, chunk)
+    if tuner:
+      tuner.observe({k: np.asarray(v) for k, v in aux['stats'].items()})
+    return decodes, aux
+
+  predicts = {'speculative': speculative, 'target-only': compiled[0]}
   # A few sentences decode in milliseconds, where one pass of each is noise: alternate the two
   # decoders over several rounds and keep each one's median.
   rounds = TIMING_ROUNDS if len(sentences) <= 64 else 1
@@ -170,7 +197,10 @@ def main(argv: Sequence[str] = None) -> None:
   alpha = stats['accepted'].sum() / max(stats['proposed'].sum(), 1)
   per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
   timing = f'median of {rounds} alternating runs' if rounds > 1 else 'one run each'
-  print(f'\n{len(sentences)} sentence{"s" * (len(sentences) > 1)}, gamma={args.gamma}: '
+  gamma = ', '.join(str(g) for g in sorted(gammas_used))
+  if args.gamma == autogamma.AUTO:
+    gamma = f'auto: {gamma}' + ('' if tuner else ', too few batches to time each gamma')
+  print(f'\n{len(sentences)} sentence{"s" * (len(sentences) > 1)}, gamma={gamma}: '
         f'alpha={alpha:.3f}, {per_call:.2f} tokens per target call, speculative '
         f'{1e3 * seconds:.0f} ms vs target-only {1e3 * base_seconds:.0f} ms ({timing}; '
         f'{base_seconds / seconds:.2f}x); outputs identical to '

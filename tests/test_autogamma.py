@@ -54,14 +54,19 @@ def test_calibrate_times_every_candidate_round_robin():
       return np.zeros(1), {'stats': _stats(accepted=3 * gamma, rollbacks=1 if gamma else 0)}
     return predict
 
-  tuner = autogamma.calibrate({g: predict_at(g) for g in costs}, 'batch', repeats=2,
+  tuner = autogamma.calibrate({g: predict_at(g) for g in costs}, ['batch', 'batch'], repeats=2,
                               clock=lambda: clock_ms[0] / 1e3)
-  assert calls == [0, 1, 2] * 3  # one untimed call each, then 2 interleaved rounds
+  assert calls == [0, 0, 1, 1, 2, 2] * 3  # one untimed pass each, then 2 interleaved rounds
   assert tuner.batch_ms == pytest.approx({0: 9.0, 1: 5.0, 2: 4.0})
   assert tuner.calibration_alpha == pytest.approx({1: 6 / 8, 2: 12 / 14})
   assert tuner.choose() == 2
   with pytest.raises(ValueError, match='gamma 0'):
-    autogamma.calibrate({1: predict_at(1)}, 'batch')
+    autogamma.calibrate({1: predict_at(1)}, ['batch'])
+  with pytest.raises(ValueError, match='batches'):
+    autogamma.calibrate({0: predict_at(0)}, [])
+  assert autogamma.calibration_batches(1, 100) == autogamma.CALIBRATION_ROWS
+  assert autogamma.calibration_batches(32, 100) == 1
+  assert autogamma.calibration_batches(2, 3) == 3
 
 
 def test_decoders_cover_target_only_and_each_gamma():
