@@ -301,7 +301,8 @@ def interleaved(settings: Sequence[Setting], configs, params, batches, num_sente
   """Re-times `settings` round-robin, `repeats` rounds: each speedup is the median over rounds
   of (its baseline's pass time / its pass time) in the same round, so slow phases of a shared
   machine hit both sides alike."""
-  passes = {s: compile_setting(s, configs, params, batches)[0] for s in settings}
+  compiled = {s: compile_setting(s, configs, params, batches) for s in settings}
+  passes = {s: one_pass for s, (one_pass, _, _) in compiled.items()}
   for one_pass in passes.values():
     jax.block_until_ready(one_pass())
   times = {s: [] for s in settings}
@@ -314,6 +315,10 @@ def interleaved(settings: Sequence[Setting], configs, params, batches, num_sente
     rows.append({'name': s.name, 'ms_per_sentence': 1e3 * float(np.median(times[s])) /
                  num_sentences, 'speedup': float(np.median(ratios)),
                  'speedup_min': float(ratios.min()), 'speedup_max': float(ratios.max())})
+    info = compiled[s][2]
+    if info:  # gamma='auto': its own calibration in this run, and the choices
+      rows[-1].update(gammas_used={str(g): n for g, n in sorted(info['gammas_used'].items())},
+                      calibration=info['calibration'])
   return rows
 
 
@@ -547,6 +552,8 @@ def markdown(results: Dict[str, Any]) -> str:
                 '|---|---|---|---|']
       lines += [f"| {r['name']} | {r['ms_per_sentence']:.1f} | {r['speedup']:.2f}x | "
                 f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} |" for r in block['interleaved']]
+      lines += [f"\n{r['name']}: batches per gamma {r['gammas_used']}; calibration "
+                f"{r['calibration']}" for r in block['interleaved'] if 'gammas_used' in r]
       lines.append('')
   if results.get('hf'):
     lines += ['## Hugging Face transformers, PyTorch CPU, batch 1 (same sentences as batch 1)', '',

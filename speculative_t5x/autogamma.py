@@ -5,9 +5,9 @@ The paper's expected output tokens per target call, E(alpha, gamma) = (1 - alpha
 has to be measured. Timing single target and draft calls predicts it badly on a CPU (a verify
 call inside the jitted loop costs far less than a dispatched call, and the loop's own per-round
 work is not in either), so `calibrate` times the real thing: the job's first batches
-(CALIBRATION_ROWS rows) decoded with every candidate gamma (0 = target-only), interleaved,
-median of `repeats`. Afterwards
-`GammaTuner` predicts a batch's time at each gamma as its measured time rescaled by
+(CALIBRATION_ROWS rows) decoded with every candidate gamma (0 = target-only), round-robin,
+medians over `repeats` rounds of times relative to the target alone's in the same round.
+Afterwards `GammaTuner` predicts a batch's time at each gamma as its measured time rescaled by
 E(alpha_at_calibration, gamma) / E(alpha_now, gamma) as the running alpha (accepted /
 (accepted + rejections), the paper's alpha) drifts, and picks the fastest.
 
@@ -24,6 +24,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
+import jax
 import numpy as np
 
 from speculative_t5x import decoding
@@ -32,7 +33,7 @@ from speculative_t5x import models
 AUTO = 'auto'
 # Candidates: target-only and gamma 1..MAX_GAMMA (each is one compilation of the decode loop).
 MAX_GAMMA = 4
-# Calibration decodes the first batches (at least CALIBRATION_ROWS rows) 4 (MAX_GAMMA + 1) times
+# Calibration decodes the first batches (at least CALIBRATION_ROWS rows) 6 (MAX_GAMMA + 1) times
 # after compiling MAX_GAMMA + 1 loops: a job of fewer batches than MIN_BATCHES uses
 # FALLBACK_GAMMA instead (the embedded pair's best at batch 1 on the benchmark).
 CALIBRATION_ROWS = 16
@@ -93,10 +94,11 @@ class GammaTuner:
             'predicted_ms': {g: round(self.predicted_ms(g), 3) for g in self.batch_ms}}
 
 
-def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: int = 3,
+def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: int = 5,
               clock: Callable[[], float] = time.perf_counter) -> GammaTuner:
   """Times predicts[g] over `batches` for every candidate gamma g, round-robin, `repeats`
-  rounds after one untimed pass each, and returns the tuner with the medians (ms per batch).
+  rounds after one untimed pass each, and returns the tuner: ms per batch for each gamma, the
+  target alone's median times the median over rounds of the candidate's time relative to it.
 
   predicts must include 0 (target-only). Use at least CALIBRATION_ROWS rows in all: one short
   sentence says little about alpha, and this machine's speed drifts between passes. clock is
@@ -109,17 +111,22 @@ def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: 
                      f'and repeats={repeats}.')
   counts = {}
   for gamma, predict in predicts.items():
-    outputs = _block([predict(batch) for batch in batches])
+    outputs = jax.block_until_ready([predict(batch) for batch in batches])
     counts[gamma] = tuple(sum(_counts(aux['stats'])[i] for _, aux in outputs) for i in (0, 1))
-  times = {gamma: [] for gamma in predicts}
-  for _ in range(repeats):
-    for gamma, predict in predicts.items():
+  gammas = list(predicts)
+  times = np.zeros((repeats, len(gammas)))  # ms per batch, [round, candidate]
+  for r in range(repeats):
+    for i, gamma in enumerate(gammas):
       start = clock()
-      _block([predict(batch) for batch in batches])
-      times[gamma].append(1e3 * (clock() - start) / len(batches))
+      jax.block_until_ready([predicts[gamma](batch) for batch in batches])
+      times[r, i] = 1e3 * (clock() - start) / len(batches)
+  # The machine's speed drifts between rounds: compare candidates within each round (time over
+  # the target alone's time in that round), then take medians.
+  relative = np.median(times / times[:, [gammas.index(0)]], axis=0)
+  baseline_ms = float(np.median(times[:, gammas.index(0)]))
   speculative = [g for g in predicts if g > 0]
   return GammaTuner(
-      batch_ms={g: float(np.median(t)) for g, t in times.items()},
+      batch_ms={g: baseline_ms * float(relative[i]) for i, g in enumerate(gammas)},
       calibration_alpha={g: counts[g][0] / max(sum(counts[g]), 1) for g in speculative},
       accepted=sum(counts[g][0] for g in speculative),
       rejected=sum(counts[g][1] for g in speculative))
@@ -128,11 +135,6 @@ def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: 
 def calibration_batches(batch_size: int, available: int) -> int:
   """How many batches of batch_size rows `calibrate` should use (of `available`)."""
   return max(1, min(available, -(-CALIBRATION_ROWS // batch_size)))
-
-
-def _block(outputs: Any) -> Any:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.block_until_ready(outputs)
 
 
 def wants_auto(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any]) -> bool:

@@ -60,6 +60,20 @@ def test_calibrate_times_every_candidate_round_robin():
   assert tuner.batch_ms == pytest.approx({0: 9.0, 1: 5.0, 2: 4.0})
   assert tuner.calibration_alpha == pytest.approx({1: 6 / 8, 2: 12 / 14})
   assert tuner.choose() == 2
+  # The machine slows down 3x for one round: candidates are compared within rounds.
+  slow = iter([1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3] + [1] * 6)
+  clock_ms[0] = 0.0
+
+  def drifting_predict(gamma):
+    def predict(batch):
+      clock_ms[0] += costs[gamma] * next(slow)
+      return np.zeros(1), {'stats': _stats(accepted=1, rollbacks=1)}
+    return predict
+
+  drifted = autogamma.calibrate({g: drifting_predict(g) for g in costs}, ['b', 'b'], repeats=2,
+                                clock=lambda: clock_ms[0] / 1e3)
+  assert drifted.batch_ms[1] / drifted.batch_ms[0] == pytest.approx(5 / 9)
+  assert drifted.batch_ms[2] / drifted.batch_ms[0] == pytest.approx(4 / 9)
   with pytest.raises(ValueError, match='gamma 0'):
     autogamma.calibrate({1: predict_at(1)}, ['batch'])
   with pytest.raises(ValueError, match='batches'):

@@ -1,5 +1,7 @@
-"""The embedded Multi30k pair: speculative greedy equals target-only greedy, and HF parity."""
+"""The embedded Multi30k pair: speculative greedy and beam search equal the target's own, and HF
+parity."""
 
+import functools
 from pathlib import Path
 
 import jax
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import data_dir
+from speculative_t5x import beam_search
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import models
@@ -68,6 +71,25 @@ def test_speculative_greedy_equals_target_greedy(pair, sentences, target_greedy)
   assert ((target_greedy > 1).any(axis=1)).all()
   assert ((target_greedy == data.EOS_ID).any(axis=1)).all()
   assert all(text.strip() for text in data.decode(target_greedy))
+
+
+def test_speculative_beam_search_equals_beam_search(pair, sentences):
+  """Beam 4, T5X's brevity penalty: the same beams and scores, in fewer target calls."""
+  target_config, draft_config, params = pair
+  batch = _batch(sentences[:3])
+  outputs = {}
+  for name, fn in (('beam', beam_search.beam_search),
+                   ('speculative', beam_search.speculative_beam_search)):
+    model = models.EncoderDecoderModel(target_config, draft_config, decode_fn=fn,
+                                       decode_kwargs={'alpha': 0.6}, eos_id=data.EOS_ID)
+    outputs[name] = jax.jit(functools.partial(model.predict_batch_with_aux, num_decodes=4,
+                                              return_all_decodes=True))(params, batch)
+  (beams, aux), (spec_beams, spec_aux) = outputs['beam'], outputs['speculative']
+  np.testing.assert_array_equal(np.asarray(spec_beams), np.asarray(beams))
+  np.testing.assert_allclose(spec_aux['scores'], aux['scores'], rtol=1e-5, atol=1e-4)
+  stats = spec_aux['stats']
+  # One target call per beam step for beam_search; fewer here, each over the whole tree.
+  assert (stats['target_calls'] < stats['emitted']).all()
 
 
 def test_hf_export_of_target(pair, sentences, target_greedy):

@@ -306,8 +306,9 @@ def test_get_initial_variables_has_both_models():
 
 def _tiny_model(**kwargs):
   target_cfg, draft_cfg = tiny_config(), tiny_config(num_decoder_layers=1)
+  kwargs.setdefault('decode_kwargs', {'gamma': 2, 'temperature': 0.0})
   model = ADAPTER(network.Transformer(target_cfg), network.Transformer(draft_cfg), None, None,
-                  decode_kwargs={'gamma': 2, 'temperature': 0.0}, **kwargs)
+                  **kwargs)
   params = _tiny_params(target_cfg, draft_cfg)
   batch = {'encoder_input_tokens': np.arange(2, 18, dtype=np.int32).reshape(2, 8),
            'decoder_input_tokens': np.zeros((2, 6), np.int32),
@@ -323,6 +324,27 @@ def test_t5x_model_matches_pair_model():
   # Jitted: a whole decode compiles once instead of op by op.
   np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, batch),
                                 jax.jit(pair.predict_batch)(params, batch))
+
+
+def test_speculative_beam_search_through_the_adapter():
+  """decode_fn = speculative_beam_search with T5X's DecoderParams(num_decodes=4): beam_search's
+  beams, through the same predict_batch_with_aux a T5X job calls."""
+  from speculative_t5x import beam_search  # pylint: disable=g-import-not-at-top
+  defaults = T5X_MODELS.DecoderParams(return_all_decodes=True, num_decodes=4)
+  model, _, batch, (target_cfg, draft_cfg) = _tiny_model(
+      decode_fn=functools.partial(beam_search.speculative_beam_search, branching=(4,)),
+      default_decoder_params=defaults, decode_kwargs={'alpha': 0.6})
+  _, target = random_model(target_cfg, seed=0, logit_scale=4.0)
+  _, draft = random_model(draft_cfg, seed=1, logit_scale=4.0)
+  params = {'target': target, 'draft': draft}
+  beams = models.EncoderDecoderModel(target_cfg, None, decode_fn=beam_search.beam_search,
+                                     decode_kwargs={'alpha': 0.6}, eos_id=1)
+  ours, ours_aux = jax.jit(model.predict_batch_with_aux)(params, batch)
+  theirs, theirs_aux = jax.jit(functools.partial(
+      beams.predict_batch_with_aux, num_decodes=4, return_all_decodes=True))(params, batch)
+  assert ours.shape == (2, 4, 6)
+  np.testing.assert_array_equal(ours, theirs)
+  np.testing.assert_allclose(ours_aux['scores'], theirs_aux['scores'], rtol=1e-5, atol=1e-4)
 
 
 def _recording_decoder(calls):
