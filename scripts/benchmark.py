@@ -567,7 +567,11 @@ def markdown(results: Dict[str, Any]) -> str:
 
 
 def plots(results: Dict[str, Any], out_dir: Path) -> List[str]:
-  """speedup_vs_gamma.png and acceptance_by_position.png; [] without matplotlib."""
+  """speedup_vs_gamma.png and acceptance_by_position.png; [] without matplotlib or without
+  speculative rows with a fixed gamma (a beam-only run)."""
+  if not any(r['method'] == 'speculative' and r['gamma'] != autogamma.AUTO
+             for block in results['batches'].values() for r in block['rows']):
+    return []
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use('Agg')

@@ -404,7 +404,7 @@ def infer(*,
       (highest score) is written.
     max_gamma: with gamma='auto' (`decoding.speculative_sample.gamma = 'auto'`), the largest
       gamma tried: gammas 0 (target alone) to max_gamma are compiled and timed on the first
-      batch, then each batch uses the one `autogamma.GammaTuner` predicts fastest (recorded
+      batches, then each batch uses the one `autogamma.GammaTuner` predicts fastest (recorded
       per example as stats.gamma, and in the summary). Jobs of fewer than auto_min_batches
       batches skip that and use autogamma.FALLBACK_GAMMA.
     progress: show a progress bar (process 0).
@@ -512,11 +512,11 @@ def infer(*,
   decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
   candidates = {None: model}
   if autogamma.wants_auto(model, decode_kwargs):
-    # One compiled predict per candidate gamma, timed on the first batch decoded; a job too
+    # One compiled predict per candidate gamma, timed on the job's first batches; a job too
     # short to pay for that decodes at the fallback gamma.
     candidates = autogamma.decoders(model, decode_kwargs, max_gamma)
     if -(-len(examples) // batch_size) < auto_min_batches:
-      logging.info("gamma='auto': %d examples are fewer than %d batches; gamma %d, no "
+      logging.info("gamma='auto': %d examples make fewer than %d batches; gamma %d, no "
                    'calibration.', len(examples), auto_min_batches, autogamma.FALLBACK_GAMMA)
       candidates = {autogamma.FALLBACK_GAMMA: candidates[autogamma.FALLBACK_GAMMA]}
   compiled = {gamma: partitioner.partition_predict(m, params, num_decodes=num_decodes).lower(
@@ -525,7 +525,7 @@ def infer(*,
   logging.info('Compiled the %s predict function%s in %.1f s.', _decode_fn_name(model.decode_fn),
                f's for gamma in {sorted(compiled)}' if len(compiled) > 1 else '',
                compile_seconds)
-  tuner, calibration_seconds, gammas_used = None, 0.0, collections.Counter()
+  tuner, calibration_seconds = None, 0.0
 
   # Decode, chunk by chunk.
   chunk_examples = batch_size * checkpoint_period
@@ -564,8 +564,6 @@ def infer(*,
         if num_processes > 1:  # every process must run the same program
           from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
           gamma = int(multihost_utils.broadcast_one_to_all(np.int32(gamma)))
-      if gamma is not None:
-        gammas_used[gamma] += 1
       decodes, aux = compiled[gamma](params, batch, rng)
       decodes, aux = _process_rows((decodes, aux), process, local_batch)
       if tuner is not None:  # the running alpha
@@ -619,8 +617,11 @@ def infer(*,
           'dtype': str(dtype) if dtype is not None else None, 'seed': seed,
           'num_decodes': num_decodes,
           'shard': [shard_id, num_shards]})
-  summary['gamma_auto'] = None if not gammas_used else {
-      **(tuner.summary() if tuner else {}), 'batches_by_gamma': dict(sorted(gammas_used.items()))}
+  # From the records on disk, so that a resumed run's summary covers every chunk.
+  used = collections.Counter(r['aux']['stats']['gamma'] for r in merged
+                             if 'gamma' in r['aux']['stats'])
+  summary['gamma_auto'] = None if not used else {
+      **(tuner.summary() if tuner else {}), 'examples_by_gamma': dict(sorted(used.items()))}
   _atomic_write(summary_path, json.dumps(summary, indent=2))
   _atomic_write(output_dir / 'operative_config.gin', gin.operative_config_str())
   _atomic_write(output_dir / f'{output_fname}.COMPLETED', '')

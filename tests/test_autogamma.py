@@ -111,11 +111,11 @@ def test_infer_with_gamma_auto_equals_a_fixed_gamma(setup, tmp_path):  # noqa: F
       r['prediction'] for r in _outputs(tmp_path / 'fixed')]
   info = auto['gamma_auto']
   assert sorted(info['batch_ms']) == [0, 1, 2]
-  assert sum(info['batches_by_gamma'].values()) == 6  # 12 lines, batch 2
+  assert sum(info['examples_by_gamma'].values()) == 12
   used = {r['aux']['stats']['gamma'] for r in _outputs(tmp_path / 'auto')}
-  assert used <= {0, 1, 2} and used == set(info['batches_by_gamma'])
+  assert used <= {0, 1, 2} and used == set(info['examples_by_gamma'])
   assert auto['calibration_seconds'] > 0 and fixed['gamma_auto'] is None
   # A short job skips calibration.
   short = _infer(setup, tmp_path / 'short', setup / 'in.txt',
                  model=_model(decode_kwargs={'gamma': 'auto', 'temperature': 0.0}))
-  assert short['gamma_auto'] == {'batches_by_gamma': {autogamma.FALLBACK_GAMMA: 6}}
+  assert short['gamma_auto'] == {'examples_by_gamma': {autogamma.FALLBACK_GAMMA: 12}}
