@@ -79,8 +79,10 @@ def main() -> None:
     batches = benchmark.make_batches(data.encode(sources[:count], benchmark.INPUT_LENGTH),
                                      batch_size)
     passes = {'T5X greedy': t5x_greedy_pass(configs['target'], params['target'], batches)}
+    infos = {}
     for setting in settings:
-      passes[setting.name] = benchmark.compile_setting(setting, configs, prepared, batches)[0]
+      passes[setting.name], _, infos[setting.name] = benchmark.compile_setting(
+          setting, configs, prepared, batches)
     decodes = {}
     for name, one_pass in passes.items():  # warm-up, and the outputs
       decodes[name] = np.concatenate([np.asarray(d) for d, _ in jax.block_until_ready(
@@ -99,6 +101,11 @@ def main() -> None:
                    'range': [float(ratios.min()), float(ratios.max())],
                    'same_as_t5x': float(np.mean(np.all(decodes[name] == decodes['T5X greedy'],
                                                        axis=1)))})
+      if infos.get(name):  # gamma='auto': its calibration and choices
+        rows[-1].update(calibration=infos[name]['calibration'], gammas_used={
+            str(g): n for g, n in sorted(infos[name]['gammas_used'].items())})
+        print(f"batch {batch_size} {name}: batches per gamma {rows[-1]['gammas_used']}, "
+              f"calibration {rows[-1]['calibration']}")
       print(f"batch {batch_size} {name}: {rows[-1]['ms_per_sentence']:.1f} ms/sentence, "
             f"{rows[-1]['speedup_vs_t5x']:.2f}x T5X (rounds {ratios.min():.2f}-"
             f"{ratios.max():.2f}), same as T5X {rows[-1]['same_as_t5x']:.0%}", flush=True)
