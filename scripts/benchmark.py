@@ -3,13 +3,16 @@
   python scripts/benchmark.py                       # the full grid (about an hour on 2 CPU cores)
   python scripts/benchmark.py --quick               # a few configurations, a few sentences
   python scripts/benchmark.py --out_dir results/cpu --sentences 1:100,8:200,32:320
+  python scripts/benchmark.py --gammas 1,2,auto --sampling_gammas '' --bild '' --beams 4:8,4:2
 
 Everything runs in one process on test_2016_flickr (German -> English), from `--data_dir`
 (default: $SPECULATIVE_T5X_DATA or ../shared/data). For every batch size the same sentences, in
 file order, go through target-only decoding (the baseline), speculative decoding with
-gamma = 1..8 and adaptive gamma at temperature 0 and 1, and BiLD over a grid of
-(fallback, rollback) thresholds; at batch 1 also Hugging Face transformers' assisted generation
-on the same weights converted to T5ForConditionalGeneration (needs `pip install -e '.[hf]'`).
+gamma = 1..8, gamma='auto' (calibrated as the infer job does it; the calibration is reported
+apart) and adaptive gamma at temperature 0 and 1, BiLD over a grid of (fallback, rollback)
+thresholds, and with --beams beam_search against speculative beam search for each
+beam:branching pair; at batch 1 also Hugging Face transformers' assisted generation on the same
+weights converted to T5ForConditionalGeneration (needs `pip install -e '.[hf]'`).
 
 Per configuration (see README "Benchmark" for the definitions): median wall time per sentence
 over `--repeats` passes (compilation excluded, reported as compile_s), speedup over the baseline
@@ -19,6 +22,8 @@ target call, c = draft step / target step, the paper's predicted speedup
 prediction that charges the verify call its measured (gamma+1)-token cost, draft-step and
 verify-step times, and the extra arithmetic per token of Theorem 3.11,
 (1 - alpha)(gamma c_hat + gamma + 1) / (1 - alpha^(gamma+1)), with c_hat the FLOPs ratio.
+Beam rows: beam steps and tree nodes per target call, and a step-cost prediction from the
+one-token beam step, the tree's verify call and its draft levels.
 
 Writes <out_dir>/benchmark.json (rewritten after every configuration, so a killed run keeps what
 it measured), benchmark.md (the tables) and, with matplotlib, speedup_vs_gamma.png and
