@@ -247,18 +247,20 @@ def compile_setting(setting: Setting, configs, params, batches, seed: int = 0
           'gammas_used': collections.Counter()}
 
   def one_pass():
-    outputs = []
-    for b, r in zip(batches, rngs):
-      gamma = tuner.choose()
-      decodes, aux = predicts[gamma](params, b, r)
+    # Dispatched without waiting, as the fixed-gamma passes are (on 2 cores consecutive batches
+    # overlap): each batch's gamma uses the running alpha up to the previous pass.
+    gammas = [tuner.choose() for _ in batches]
+    outputs = [predicts[g](params, b, r) for g, b, r in zip(gammas, batches, rngs)]
+    passed = []
+    for gamma, (decodes, aux) in zip(gammas, outputs):
       stats = {k: np.asarray(v) for k, v in aux['stats'].items()}
       tuner.observe(stats)
       info['gammas_used'][gamma] += 1
       # accepted_at is [batch, max(gamma, 1)]: pad to one width for the whole pass.
       at = stats['accepted_at']
       stats['accepted_at'] = np.pad(at, ((0, 0), (0, autogamma.MAX_GAMMA - at.shape[1])))
-      outputs.append((decodes, {**aux, 'stats': stats}))
-    return outputs
+      passed.append((decodes, {**aux, 'stats': stats}))
+    return passed
 
   return one_pass, compile_s, info
 
