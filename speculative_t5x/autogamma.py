@@ -133,6 +133,15 @@ def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: 
       rejected=sum(counts[g][1] for g in speculative))
 
 
+def candidates(num_batches: int, max_gamma: int = MAX_GAMMA,
+               min_batches: int = MIN_BATCHES) -> Tuple[int, ...]:
+  """The gammas a job of num_batches batches compiles: 0 (target alone) to max_gamma, to be
+  `calibrate`d, or only FALLBACK_GAMMA for a job too short to pay for the calibration."""
+  if num_batches < min_batches:
+    return (FALLBACK_GAMMA,)
+  return tuple(range(max_gamma + 1))
+
+
 def calibration_batches(batch_size: int, available: int) -> int:
   """How many batches of batch_size rows `calibrate` should use (of `available`)."""
   return max(1, min(available, -(-CALIBRATION_ROWS // batch_size)))

@@ -514,11 +514,12 @@ def infer(*,
   if autogamma.wants_auto(model, decode_kwargs):
     # One compiled predict per candidate gamma, timed on the job's first batches; a job too
     # short to pay for that decodes at the fallback gamma.
-    candidates = autogamma.decoders(model, decode_kwargs, max_gamma)
-    if -(-len(examples) // batch_size) < auto_min_batches:
+    decoders = autogamma.decoders(model, decode_kwargs, max_gamma)
+    candidates = {g: decoders[g] for g in autogamma.candidates(
+        -(-len(examples) // batch_size), max_gamma, auto_min_batches)}
+    if len(candidates) == 1:
       logging.info("gamma='auto': %d examples make fewer than %d batches; gamma %d, no "
                    'calibration.', len(examples), auto_min_batches, autogamma.FALLBACK_GAMMA)
-      candidates = {autogamma.FALLBACK_GAMMA: candidates[autogamma.FALLBACK_GAMMA]}
   compiled = {gamma: partitioner.partition_predict(m, params, num_decodes=num_decodes).lower(
       params, example_batch, rng0).compile() for gamma, m in candidates.items()}
   compile_seconds = time.time() - compile_start

@@ -144,9 +144,7 @@ def main(argv: Sequence[str] = None) -> None:
                                      eos_id=data.EOS_ID)
   gammas = [args.gamma]
   if args.gamma == autogamma.AUTO:
-    gammas = [autogamma.FALLBACK_GAMMA]
-    if len(chunks) >= autogamma.MIN_BATCHES:
-      gammas = list(range(1, autogamma.MAX_GAMMA + 1))
+    gammas = [g for g in autogamma.candidates(len(chunks)) if g > 0]
   decoders = autogamma.decoders(model, model.decode_kwargs, max(gammas))
   compiled = {g: jax.jit(decoders[g].predict_batch_with_aux) for g in [0] + gammas}
   for predict in compiled.values():

@@ -81,6 +81,8 @@ def test_calibrate_times_every_candidate_round_robin():
   assert autogamma.calibration_batches(1, 100) == autogamma.CALIBRATION_ROWS
   assert autogamma.calibration_batches(32, 100) == 1
   assert autogamma.calibration_batches(2, 3) == 3
+  assert autogamma.candidates(autogamma.MIN_BATCHES, max_gamma=3) == (0, 1, 2, 3)
+  assert autogamma.candidates(autogamma.MIN_BATCHES - 1) == (autogamma.FALLBACK_GAMMA,)
 
 
 def test_decoders_cover_target_only_and_each_gamma():
