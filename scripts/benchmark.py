@@ -204,6 +204,16 @@ def memory_bandwidth_gbs(megabytes: int = 64, repeats: int = 30) -> float:
   return x.size * 4 / best / 1e9
 
 
+def matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
+  """GFLOP/s of a jitted fp32 [size, size] x [size, size] matmul (best of repeats): the machine's
+  practical arithmetic peak, for the compute floor of a step."""
+  x = jnp.ones((size, size), jnp.float32)
+  product = jax.jit(jnp.matmul)
+  jax.block_until_ready(product(x, x))
+  best = min(_timed(lambda: product(x, x)) for _ in range(repeats))
+  return 2 * size ** 3 / best / 1e9
+
+
 def _timed(fn) -> float:
   start = time.perf_counter()
   jax.block_until_ready(fn())
@@ -521,11 +531,18 @@ def markdown(results: Dict[str, Any]) -> str:
     target_steps = block['step_ms']['target']
     one = target_steps['1']
     floor = results['meta'].get('weight_streaming_floor_ms', {}).get('target')
+    peak = results['meta'].get('matmul_gflops')
+    # The arithmetic of a k-token step: 2 flops per multiply-add, batch * k rows.
+    compute_ms = {k: 2e3 * results['meta']['target_flops_per_token'] * int(batch_size) * int(k) /
+                  (peak * 1e9) for k in target_steps} if peak else {}
     lines += ['Cached target step by tokens per row (ms, and / the 1-token step): ' + ', '.join(
         f'k={k}: {v:.2f} ({v / one:.2f}x)' for k, v in target_steps.items()) + '.' + (
             f" Weight-streaming floor {floor:.2f} ms at "
             f"{results['meta']['memory_bandwidth_gbs']:.1f} GB/s: the 1-token step is "
-            f"{one / floor:.1f}x above it." if floor else ''), '', header,
+            f"{one / floor:.1f}x above it." if floor else '') + (
+            f" Compute floor at {peak:.0f} GFLOP/s (a 1024x1024 matmul): " + ', '.join(
+                f'k={k}: {compute_ms[k]:.2f} ms' for k in ('1', '2', '5') if k in compute_ms) +
+            '.' if compute_ms else ''), '', header,
               '|' + '---|' * (header.count('|') - 1)]
     for r in block['rows']:
       lines.append('| ' + ' | '.join([
@@ -734,6 +751,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   prepared = jax.jit(models.EncoderDecoderModel(
       configs['target'], configs['draft']).with_decode_variables)(params)
   bandwidth = memory_bandwidth_gbs()
+  peak_gflops = matmul_gflops()
   floor_ms = {name: 1e3 * step_weight_bytes(configs[name], params[name]) / (bandwidth * 1e9)
               for name in configs}
   results = {'meta': {
@@ -745,6 +763,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       'xla_flags': os.environ.get('XLA_FLAGS', ''), 'repeats': args.repeats,
       'input_length': INPUT_LENGTH, 'output_length': OUTPUT_LENGTH, 'c_hat': c_hat,
       'memory_bandwidth_gbs': bandwidth, 'weight_streaming_floor_ms': floor_ms,
+      'matmul_gflops': peak_gflops,
+      'target_flops_per_token': configs['target'].decode_flops_per_token(),
       'target_params': int(sum(x.size for x in jax.tree_util.tree_leaves(params['target']))),
       'draft_params': int(sum(x.size for x in jax.tree_util.tree_leaves(params['draft'])))},
       'batches': {}, 'hf': []}
