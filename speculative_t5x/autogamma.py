@@ -36,7 +36,8 @@ MAX_GAMMA = 4
 # Calibration decodes the first batches (at least CALIBRATION_ROWS rows) 6 (MAX_GAMMA + 1) times
 # after compiling MAX_GAMMA + 1 loops: a job of fewer batches than MIN_BATCHES uses
 # FALLBACK_GAMMA instead: the gamma every calibration of the embedded pair chose at batch 1 and 8
-# on this project's CPU (README, "Benchmark").
+# on this project's CPU with the stage-2 draft; with the stage-3 draft gamma 1 and 2 measure
+# within the machine's noise of each other (README, "Benchmark").
 CALIBRATION_ROWS = 16
 MIN_BATCHES = 16
 FALLBACK_GAMMA = 1
