@@ -75,7 +75,7 @@ def main() -> None:
       for g in args.gammas.split(',') if g]
   results = {'command': 'python scripts/bench_vs_t5x.py ' + ' '.join(sys.argv[1:]),
              'jax': jax.__version__, 'batches': {}}
-  for batch_size, count in benchmark._parse_sentences(args.sentences).items():  # pylint: disable=protected-access
+  for batch_size, count in benchmark.parse_sentences(args.sentences).items():
     batches = benchmark.make_batches(data.encode(sources[:count], benchmark.INPUT_LENGTH),
                                      batch_size)
     passes = {'T5X greedy': t5x_greedy_pass(configs['target'], params['target'], batches)}

@@ -200,7 +200,7 @@ def memory_bandwidth_gbs(megabytes: int = 64, repeats: int = 30) -> float:
   x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
   total = jax.jit(jnp.sum)
   jax.block_until_ready(total(x))
-  best = min(_timed(lambda: total(x)) for _ in range(repeats))
+  best = min(timed(lambda: total(x)) for _ in range(repeats))
   return x.size * 4 / best / 1e9
 
 
@@ -210,11 +210,12 @@ def matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
   x = jnp.ones((size, size), jnp.float32)
   product = jax.jit(jnp.matmul)
   jax.block_until_ready(product(x, x))
-  best = min(_timed(lambda: product(x, x)) for _ in range(repeats))
+  best = min(timed(lambda: product(x, x)) for _ in range(repeats))
   return 2 * size ** 3 / best / 1e9
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
+  """Seconds of one fn() call, blocking on its result."""
   start = time.perf_counter()
   jax.block_until_ready(fn())
   return time.perf_counter() - start
@@ -280,7 +281,7 @@ def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
   """Compiles and times one setting over all batches; returns its decodes, stats and times."""
   one_pass, compile_s, info = compile_setting(setting, configs, params, batches, seed)
   outputs = jax.block_until_ready(one_pass())  # warm-up, and the outputs
-  passes = [_timed(one_pass) for _ in range(repeats)]
+  passes = [timed(one_pass) for _ in range(repeats)]
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
   stats = {}
   if 'stats' in outputs[0][1]:
@@ -325,7 +326,7 @@ def interleaved(settings: Sequence[Setting], configs, params, batches, num_sente
   times = {s: [] for s in settings}
   for _ in range(repeats):
     for s, one_pass in passes.items():
-      times[s].append(_timed(one_pass))
+      times[s].append(timed(one_pass))
   rows = []
   for s in settings:
     ratios = np.array(times[s.baseline]) / np.array(times[s])
@@ -512,7 +513,8 @@ def hf_rows(configs, params, sentences: Sequence[str], references: Sequence[str]
 # Reporting.
 
 
-def _fmt(value, spec: str) -> str:
+def fmt(value, spec: str) -> str:
+  """value formatted with spec, or '' for a missing value (a table cell)."""
   return '' if value is None else format(value, spec)
 
 
@@ -546,15 +548,15 @@ def markdown(results: Dict[str, Any]) -> str:
               '|' + '---|' * (header.count('|') - 1)]
     for r in block['rows']:
       lines.append('| ' + ' | '.join([
-          r['name'], _fmt(r['ms_per_sentence'], '.1f'), _fmt(r['speedup'], '.2f') + 'x',
-          _fmt(r['bleu'], '.2f'),
-          _fmt(r['same_as_baseline'], '.0%') if r['temperature'] == 0 else '',
-          _fmt(r.get('alpha'), '.3f'), _fmt(r.get('accepted_per_call'), '.2f'),
-          _fmt(r.get('tokens_per_call'), '.2f'), _fmt(r.get('c'), '.3f'),
-          _fmt(r.get('predicted_speedup'), '.2f'), _fmt(r.get('efficiency'), '.2f'),
-          _fmt(r.get('step_cost_prediction'), '.2f'), _fmt(r.get('extra_arithmetic'), '.2f'),
-          _fmt(r.get('draft_step_ms'), '.2f'), _fmt(r.get('verify_step_ms'), '.2f'),
-          _fmt(r['compile_s'], '.1f')]) + ' |')
+          r['name'], fmt(r['ms_per_sentence'], '.1f'), fmt(r['speedup'], '.2f') + 'x',
+          fmt(r['bleu'], '.2f'),
+          fmt(r['same_as_baseline'], '.0%') if r['temperature'] == 0 else '',
+          fmt(r.get('alpha'), '.3f'), fmt(r.get('accepted_per_call'), '.2f'),
+          fmt(r.get('tokens_per_call'), '.2f'), fmt(r.get('c'), '.3f'),
+          fmt(r.get('predicted_speedup'), '.2f'), fmt(r.get('efficiency'), '.2f'),
+          fmt(r.get('step_cost_prediction'), '.2f'), fmt(r.get('extra_arithmetic'), '.2f'),
+          fmt(r.get('draft_step_ms'), '.2f'), fmt(r.get('verify_step_ms'), '.2f'),
+          fmt(r['compile_s'], '.1f')]) + ' |')
     lines.append('')
     beams = [r for r in block['rows'] if r['method'] == 'speculative_beam']
     if beams:
@@ -652,7 +654,8 @@ def plots(results: Dict[str, Any], out_dir: Path) -> List[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _parse_sentences(spec: str) -> Dict[int, int]:
+def parse_sentences(spec: str) -> Dict[int, int]:
+  """'1:80,8:160' -> {1: 80, 8: 160} (batch size: number of sentences); exits on bad input."""
   try:
     pairs = dict(item.split(':') for item in spec.split(','))
     return {int(b): int(n) for b, n in pairs.items()}
@@ -724,7 +727,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if args.confirm:
     confirm(out_dir, args)
     return
-  sizes = {1: 16, 8: 16} if args.quick else _parse_sentences(args.sentences)
+  sizes = {1: 16, 8: 16} if args.quick else parse_sentences(args.sentences)
   out_dir.mkdir(parents=True, exist_ok=True)
   try:
     sources, references = data.load_split('test', data_dir=args.data_dir)
@@ -805,7 +808,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       done += 1
       print(f'[{done}/{total} {time.perf_counter() - started:.0f}s] batch {batch_size} '
             f"{row['name']}: {row['ms_per_sentence']:.1f} ms/sentence, {row['speedup']:.2f}x, "
-            f"BLEU {row['bleu']:.2f}, alpha {_fmt(row.get('alpha'), '.3f')}, "
+            f"BLEU {row['bleu']:.2f}, alpha {fmt(row.get('alpha'), '.3f')}, "
             f"compile {row['compile_s']:.1f}s", flush=True)
       save()
     if batch_size == 1 and not args.no_hf:

@@ -62,7 +62,7 @@ def main() -> None:
   except ValueError:
     raise SystemExit('error: --drafts wants name=path pairs; --gammas and --sampling_gammas '
                      'integers like 1,2,3') from None
-  sizes = benchmark._parse_sentences(args.sentences)  # pylint: disable=protected-access
+  sizes = benchmark.parse_sentences(args.sentences)
   sources, references = data.load_split('test', data_dir=args.data_dir)
 
   target_config, target_params, _ = train.load_weights(args.target)
@@ -106,7 +106,7 @@ def main() -> None:
     times: Dict[tuple, List[float]] = {key: [] for key in runs}
     for _ in range(args.repeats):
       for key in runs:
-        times[key].append(benchmark._timed(passes[key]))  # pylint: disable=protected-access
+        times[key].append(benchmark.timed(passes[key]))
     steps = {name: {'target': target_steps, 'draft': benchmark.step_times_ms(
         pairs[name][0]['draft'], pairs[name][1]['draft'], batch_size, (1, 2))} for name in drafts}
 
@@ -134,8 +134,8 @@ def main() -> None:
       rows.append(row)
       print(f"batch {batch_size} {name or ''} {row['name']}: {row['ms_per_sentence']:.1f} "
             f"ms/sentence, {row['speedup']:.2f}x (rounds {row['speedup_min']:.2f}-"
-            f"{row['speedup_max']:.2f}), alpha {benchmark._fmt(row.get('alpha'), '.3f')}, "
-            f"c {benchmark._fmt(row.get('c'), '.3f')}, BLEU {row['bleu']:.2f}" +
+            f"{row['speedup_max']:.2f}), alpha {benchmark.fmt(row.get('alpha'), '.3f')}, "
+            f"c {benchmark.fmt(row.get('c'), '.3f')}, BLEU {row['bleu']:.2f}" +
             (f", same as greedy {row['same_as_baseline']:.0%}" if setting.temperature == 0 else ''),
             flush=True)
     results['batches'][str(batch_size)] = {'num_sentences': count, 'rows': rows}
