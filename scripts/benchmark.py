@@ -282,14 +282,21 @@ def run_setting(setting: Setting, configs, params, batches, num_sentences: int,
   one_pass, compile_s, info = compile_setting(setting, configs, params, batches, seed)
   outputs = jax.block_until_ready(one_pass())  # warm-up, and the outputs
   passes = [timed(one_pass) for _ in range(repeats)]
+  return {**collect(outputs, num_sentences), 'compile_s': compile_s,
+          'ms_per_sentence': 1e3 * float(np.median(passes)) / num_sentences,
+          'pass_seconds': passes, **info}
+
+
+def collect(outputs: Sequence[Tuple[Any, Dict[str, Any]]], num_sentences: int
+            ) -> Dict[str, Any]:
+  """{'decodes': [num_sentences, length], 'stats': {field: [num_sentences, ...]}} from one pass's
+  per-batch (decodes, aux) outputs, without the last batch's padding rows."""
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
   stats = {}
   if 'stats' in outputs[0][1]:
     stats = {k: np.concatenate([np.asarray(a['stats'][k]) for _, a in outputs])[:num_sentences]
              for k in outputs[0][1]['stats']}
-  return {'decodes': decodes, 'stats': stats, 'compile_s': compile_s,
-          'ms_per_sentence': 1e3 * float(np.median(passes)) / num_sentences,
-          'pass_seconds': passes, **info}
+  return {'decodes': decodes, 'stats': stats}
 
 
 def best_settings(rows: Sequence[Dict[str, Any]]) -> List[Setting]:

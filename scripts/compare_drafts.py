@@ -111,12 +111,7 @@ def main() -> None:
         pairs[name][0]['draft'], pairs[name][1]['draft'], batch_size, (1, 2))} for name in drafts}
 
     def run(key):
-      decodes = np.concatenate([np.asarray(d) for d, _ in outputs[key]])[:count]
-      stats = {}
-      if 'stats' in outputs[key][0][1]:
-        stats = {k: np.concatenate([np.asarray(a['stats'][k]) for _, a in outputs[key]])[:count]
-                 for k in outputs[key][0][1]['stats']}
-      return {'decodes': decodes, 'stats': stats, 'compile_s': 0.0,
+      return {**benchmark.collect(outputs[key], count), 'compile_s': 0.0,
               'ms_per_sentence': 1e3 * float(np.median(times[key])) / count}
 
     rows = []
