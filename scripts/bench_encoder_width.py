@@ -1,87 +1,75 @@
-"""Encoder width: inputs padded to 64 vs to the input length rounded up to 16 (what
-`speculative-t5x-translate` does), at batch 1 on the embedded pair.
+"""Encoder width: every batch padded to 64 vs each batch's longest input rounded up to 16 (what
+`scripts/benchmark.py` and `speculative-t5x-translate` do), on the embedded pair.
 
-  python scripts/bench_encoder_width.py [--sentences 24] [--rounds 5]
+  python scripts/bench_encoder_width.py [--sentences 1:80,8:160,32:256] [--gamma 2] [--rounds 5]
 
-Greedy speculative decoding (gamma 2) and target-only greedy decoding of the first test_2016_flickr
-sentences, every width compiled first, then `--rounds` interleaved rounds; prints the median ms
-per sentence of each, the per-round target-only/speculative ratio, and whether all outputs agree.
+Per batch size: greedy target-only and greedy speculative decoding (--gamma) of the first
+test_2016_flickr sentences at both widths, every pass compiled first, then --rounds rounds
+round-robin. Prints each pass's median ms per sentence, the per-round speedups of the rounded
+width over width 64 (for each decoder) and of speculative over target-only (at each width), and
+whether all four produce the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import time
+import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from speculative_t5x import data
-from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import train
-from speculative_t5x.translate import INPUT_LENGTH_STEP, MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
-from speculative_t5x.translate import PRETRAINED
 
-DATA = Path(os.environ.get('SPECULATIVE_T5X_DATA',
-                           Path(__file__).resolve().parents[2] / 'shared' / 'data'))
-
-
-def one_row_batches(ids, round_width: bool):
-  """One batch per sentence: encoder width 64, or its length rounded up to the step."""
-  batches = []
-  for row in ids:
-    width = (min(MAX_INPUT_LENGTH, -(-len(row) // INPUT_LENGTH_STEP) * INPUT_LENGTH_STEP)
-             if round_width else MAX_INPUT_LENGTH)
-    batch = data.pad_batch([row], None, width, MAX_OUTPUT_LENGTH, 1)
-    batches.append({k: jnp.asarray(v) for k, v in batch.items()})
-  return batches
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--sentences', type=int, default=24)
+  parser.add_argument('--sentences', default='1:80,8:160,32:256', help='batch_size:count pairs')
+  parser.add_argument('--gamma', type=int, default=2)
   parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--data_dir', default=None)
   args = parser.parse_args()
-  target_config, target_params, _ = train.load_weights(PRETRAINED / 'multi30k_de_en_target.msgpack')
-  draft_config, draft_params, _ = train.load_weights(PRETRAINED / 'multi30k_de_en_draft.msgpack')
-  params = jax.jit(models.EncoderDecoderModel(target_config, draft_config).with_decode_variables)(
-      {'target': target_params, 'draft': draft_params})
-  sentences = (DATA / 'multi30k' / 'test_2016_flickr.de').read_text(
-      encoding='utf-8').splitlines()[:args.sentences]
-  ids = data.encode(sentences, MAX_INPUT_LENGTH)
-  predicts = {}
-  for name, fn, kwargs in (
-      ('speculative', decoding.speculative_sample, {'temperature': 0.0, 'gamma': 2}),
-      ('target-only', decoding.temperature_sample, {'temperature': 0.0})):
-    model = models.EncoderDecoderModel(target_config, draft_config, decode_fn=fn,
-                                       decode_kwargs=kwargs, eos_id=data.EOS_ID)
-    predicts[name] = jax.jit(model.predict_batch)
-  batches = {'64': one_row_batches(ids, False), 'rounded': one_row_batches(ids, True)}
-  for width_batches in batches.values():
-    for predict in predicts.values():
-      for batch in width_batches:
-        jax.block_until_ready(predict(params, batch))  # compile every width in use
-  ms = {(name, width): [] for name in predicts for width in batches}
-  outputs = {}
-  for _ in range(args.rounds):
-    for width, width_batches in batches.items():
-      for name, predict in predicts.items():
-        start = time.perf_counter()
-        outputs[name, width] = [np.asarray(jax.block_until_ready(predict(params, batch)))
-                                for batch in width_batches]
-        ms[name, width].append(1e3 * (time.perf_counter() - start) / len(width_batches))
-  for (name, width), values in ms.items():
-    print(f'{name:12s} width {width:8s} {np.median(values):6.2f} ms/sentence (median)')
-  for width in batches:
-    ratios = np.array(ms['target-only', width]) / np.array(ms['speculative', width])
-    print(f'width {width}: target-only / speculative {np.median(ratios):.3f}')
-  reference = outputs['target-only', '64']
-  same = all(np.array_equal(a, b) for key in outputs for a, b in zip(outputs[key], reference))
-  print(f'outputs identical across widths and decoders: {same}')
+  configs, params = {}, {}
+  for name in ('target', 'draft'):
+    configs[name], params[name], _ = train.load_weights(
+        benchmark.PRETRAINED / f'multi30k_de_en_{name}.msgpack')
+  prepared = jax.jit(models.EncoderDecoderModel(
+      configs['target'], configs['draft']).with_decode_variables)(params)
+  sources, _ = data.load_split('test', data_dir=args.data_dir)
+  settings = {'target-only': benchmark.Setting('baseline'),
+              'speculative': benchmark.Setting('speculative', gamma=args.gamma)}
+  widths = {'64': 0, 'rounded': benchmark.INPUT_LENGTH_STEP}
+  for batch_size, count in benchmark.parse_sentences(args.sentences).items():
+    rows = data.encode(sources[:count], benchmark.INPUT_LENGTH)
+    passes, decodes = {}, {}
+    for width, step in widths.items():
+      batches = benchmark.make_batches(rows, batch_size, step)
+      for name, setting in settings.items():
+        one_pass = benchmark.compile_setting(setting, configs, prepared, batches)[0]
+        passes[name, width] = one_pass
+        decodes[name, width] = benchmark.collect(jax.block_until_ready(one_pass()),
+                                                 count)['decodes']
+    times = benchmark.round_robin(passes, args.rounds)
+    print(f'batch {batch_size}, {count} sentences:')
+    for key, seconds in times.items():
+      print(f'  {key[0]:12s} width {key[1]:8s} {1e3 * np.median(seconds) / count:6.2f} '
+            'ms/sentence')
+    for name in settings:
+      s = benchmark.speedup_over_rounds(times[name, '64'], times[name, 'rounded'])
+      print(f"  {name}: rounded width / width 64: {s['speedup']:.3f}x "
+            f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f})")
+    for width in widths:
+      s = benchmark.speedup_over_rounds(times['target-only', width], times['speculative', width])
+      print(f"  width {width}: speculative over target-only {s['speedup']:.3f}x "
+            f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f})")
+    reference = decodes['target-only', '64']
+    same = all(np.array_equal(d, reference) for d in decodes.values())
+    print(f'  outputs identical across widths and decoders: {same}', flush=True)
 
 
 if __name__ == '__main__':

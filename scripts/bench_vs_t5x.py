@@ -8,7 +8,8 @@ T5X's own example network (`t5x.examples.t5.network`) and `t5x.decoding.temperat
 temperature 0, on the embedded target's parameters (the trees are T5X's). This project's side:
 target-only greedy, greedy speculative decoding at each --gammas value ('auto' as the infer job
 runs it). Every configuration decodes the first N test_2016_flickr sentences in fixed-shape
-batches (input and output length 64, as scripts/benchmark.py); the configurations are timed
+batches (output length 64, encoder width each batch's longest input rounded up to
+--input_length_step, as scripts/benchmark.py; both sides get the same batches); the configurations are timed
 round-robin for --repeats rounds and each speedup is the median over rounds of T5X's pass time
 over the configuration's in the same round. Outputs are compared with T5X's token for token.
 """
@@ -20,7 +21,6 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -51,7 +51,7 @@ def t5x_greedy_pass(target_config, target_params, batches):
       decode_fn=functools.partial(t5x_decoding.temperature_sample, temperature=0.0))
   predict = jax.jit(functools.partial(model.predict_batch_with_aux,
                                       decoder_params={'eos_id': data.EOS_ID}))
-  compiled = predict.lower(target_params, batches[0]).compile()
+  compiled = benchmark.compile_per_width(predict, target_params, batches)
   return lambda: [compiled(target_params, b) for b in batches]
 
 
@@ -60,6 +60,8 @@ def main() -> None:
   parser.add_argument('--sentences', default='1:40,8:80', help='batch_size:count pairs')
   parser.add_argument('--gammas', default='2,auto', help="speculative gammas ('auto' too)")
   parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--input_length_step', type=int, default=benchmark.INPUT_LENGTH_STEP,
+                      help=f'0: every batch padded to {benchmark.INPUT_LENGTH}')
   parser.add_argument('--data_dir', default=None)
   parser.add_argument('--out', default='results/cpu/vs_t5x.json')
   args = parser.parse_args()
@@ -74,10 +76,10 @@ def main() -> None:
       benchmark.Setting('speculative', gamma=g if g == 'auto' else int(g))
       for g in args.gammas.split(',') if g]
   results = {'command': 'python scripts/bench_vs_t5x.py ' + ' '.join(sys.argv[1:]),
-             'jax': jax.__version__, 'batches': {}}
+             'jax': jax.__version__, 'input_length_step': args.input_length_step, 'batches': {}}
   for batch_size, count in benchmark.parse_sentences(args.sentences).items():
     batches = benchmark.make_batches(data.encode(sources[:count], benchmark.INPUT_LENGTH),
-                                     batch_size)
+                                     batch_size, args.input_length_step)
     passes = {'T5X greedy': t5x_greedy_pass(configs['target'], params['target'], batches)}
     infos = {}
     for setting in settings:
@@ -87,18 +89,13 @@ def main() -> None:
     for name, one_pass in passes.items():  # warm-up, and the outputs
       decodes[name] = np.concatenate([np.asarray(d) for d, _ in jax.block_until_ready(
           one_pass())])[:count]
-    times = {name: [] for name in passes}
-    for _ in range(args.repeats):
-      for name, one_pass in passes.items():
-        start = time.perf_counter()
-        jax.block_until_ready(one_pass())
-        times[name].append(time.perf_counter() - start)
+    times = benchmark.round_robin(passes, args.repeats)
     rows = []
     for name in passes:
-      ratios = np.array(times['T5X greedy']) / np.array(times[name])
+      speedup = benchmark.speedup_over_rounds(times['T5X greedy'], times[name])
       rows.append({'name': name, 'ms_per_sentence': 1e3 * float(np.median(times[name])) / count,
-                   'speedup_vs_t5x': float(np.median(ratios)),
-                   'range': [float(ratios.min()), float(ratios.max())],
+                   'speedup_vs_t5x': speedup['speedup'],
+                   'range': [speedup['speedup_min'], speedup['speedup_max']],
                    'same_as_t5x': float(np.mean(np.all(decodes[name] == decodes['T5X greedy'],
                                                        axis=1)))})
       if infos.get(name):  # gamma='auto': its calibration and choices
@@ -107,8 +104,8 @@ def main() -> None:
         print(f"batch {batch_size} {name}: batches per gamma {rows[-1]['gammas_used']}, "
               f"calibration {rows[-1]['calibration']}")
       print(f"batch {batch_size} {name}: {rows[-1]['ms_per_sentence']:.1f} ms/sentence, "
-            f"{rows[-1]['speedup_vs_t5x']:.2f}x T5X (rounds {ratios.min():.2f}-"
-            f"{ratios.max():.2f}), same as T5X {rows[-1]['same_as_t5x']:.0%}", flush=True)
+            f"{rows[-1]['speedup_vs_t5x']:.2f}x T5X (rounds {speedup['speedup_min']:.2f}-"
+            f"{speedup['speedup_max']:.2f}), same as T5X {rows[-1]['same_as_t5x']:.0%}", flush=True)
     results['batches'][str(batch_size)] = {'sentences': count, 'rows': rows}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(results, indent=1))

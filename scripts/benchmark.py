@@ -57,6 +57,7 @@ from speculative_t5x import train
 
 PRETRAINED = Path(__file__).resolve().parents[1] / 'speculative_t5x' / 'pretrained'
 INPUT_LENGTH = 64
+INPUT_LENGTH_STEP = 16  # encoder width: each batch's longest input rounded up to this
 OUTPUT_LENGTH = 64
 BILD_FALLBACKS = (0.4, 0.6, 0.8)
 BILD_ROLLBACKS = (2.0, 3.0, 5.0)
@@ -221,11 +222,24 @@ def timed(fn) -> float:
   return time.perf_counter() - start
 
 
-def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int) -> List[Dict[str, Any]]:
-  """Fixed-shape [batch_size, length] batches; the last is padded with all-zero rows."""
+def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int,
+                 length_step: int = INPUT_LENGTH_STEP) -> List[Dict[str, Any]]:
+  """[batch_size, width] batches, the last padded with all-zero rows. width is each batch's
+  longest input rounded up to length_step (at most INPUT_LENGTH), or INPUT_LENGTH for step 0."""
   return [{k: jnp.asarray(v) for k, v in data.pad_batch(
-      token_rows[start:start + batch_size], None, INPUT_LENGTH, OUTPUT_LENGTH, batch_size).items()}
-          for start in range(0, len(token_rows), batch_size)]
+      token_rows[start:start + batch_size], None, INPUT_LENGTH, OUTPUT_LENGTH, batch_size,
+      length_step).items()} for start in range(0, len(token_rows), batch_size)]
+
+
+def compile_per_width(jitted, params, batches: Sequence[Dict[str, Any]], *args) -> Callable:
+  """`jitted` compiled ahead once per encoder width among `batches`: returns
+  predict(params, batch, *args), which runs the executable compiled for the batch's width."""
+  width = lambda batch: batch['encoder_input_tokens'].shape[1]
+  compiled = {}
+  for batch in batches:
+    if width(batch) not in compiled:
+      compiled[width(batch)] = jitted.lower(params, batch, *args).compile()
+  return lambda p, batch, *a: compiled[width(batch)](p, batch, *a)
 
 
 def compile_setting(setting: Setting, configs, params, batches, seed: int = 0
@@ -244,8 +258,9 @@ def compile_setting(setting: Setting, configs, params, batches, seed: int = 0
   candidates = autogamma.decoders(model, kwargs) if auto else {None: model}
   predict_kwargs = {'num_decodes': setting.beam} if setting.beam else {}
   start = time.perf_counter()
-  predicts = {g: jax.jit(functools.partial(m.predict_batch_with_aux, **predict_kwargs)).lower(
-      params, batches[0], rngs[0]).compile() for g, m in candidates.items()}
+  predicts = {g: compile_per_width(jax.jit(functools.partial(
+      m.predict_batch_with_aux, **predict_kwargs)), params, batches, rngs[0])
+              for g, m in candidates.items()}
   compile_s = time.perf_counter() - start
   if not auto:
     predict = predicts[None]
@@ -321,25 +336,37 @@ def _setting(row: Dict[str, Any]) -> Setting:
   return Setting(**{f: row[f] for f in Setting._fields if f in row})
 
 
+def round_robin(passes: Dict[Any, Callable[[], Any]], repeats: int) -> Dict[Any, List[float]]:
+  """Seconds of every pass in each of `repeats` rounds, the passes taking turns within a round,
+  so that slow phases of a shared machine hit all of them alike (warm them up first)."""
+  times = {key: [] for key in passes}
+  for _ in range(repeats):
+    for key, one_pass in passes.items():
+      times[key].append(timed(one_pass))
+  return times
+
+
+def speedup_over_rounds(base_seconds: Sequence[float], seconds: Sequence[float]
+                        ) -> Dict[str, float]:
+  """Median, min and max over rounds of base/time, each round's pair timed in the same round."""
+  ratios = np.array(base_seconds) / np.array(seconds)
+  return {'speedup': float(np.median(ratios)), 'speedup_min': float(ratios.min()),
+          'speedup_max': float(ratios.max())}
+
+
 def interleaved(settings: Sequence[Setting], configs, params, batches, num_sentences: int,
                 repeats: int) -> List[Dict[str, Any]]:
   """Re-times `settings` round-robin, `repeats` rounds: each speedup is the median over rounds
-  of (its baseline's pass time / its pass time) in the same round, so slow phases of a shared
-  machine hit both sides alike."""
+  of (its baseline's pass time / its pass time) in the same round."""
   compiled = {s: compile_setting(s, configs, params, batches) for s in settings}
   passes = {s: one_pass for s, (one_pass, _, _) in compiled.items()}
   for one_pass in passes.values():
     jax.block_until_ready(one_pass())
-  times = {s: [] for s in settings}
-  for _ in range(repeats):
-    for s, one_pass in passes.items():
-      times[s].append(timed(one_pass))
+  times = round_robin(passes, repeats)
   rows = []
   for s in settings:
-    ratios = np.array(times[s.baseline]) / np.array(times[s])
     rows.append({'name': s.name, 'ms_per_sentence': 1e3 * float(np.median(times[s])) /
-                 num_sentences, 'speedup': float(np.median(ratios)),
-                 'speedup_min': float(ratios.min()), 'speedup_max': float(ratios.max())})
+                 num_sentences, **speedup_over_rounds(times[s.baseline], times[s])})
     info = compiled[s][2]
     if info:  # gamma='auto': its own calibration in this run, and the choices
       rows[-1].update(gammas_used={str(g): n for g, n in sorted(info['gammas_used'].items())},
@@ -682,7 +709,8 @@ def confirm(out_dir: Path, args: argparse.Namespace) -> None:
   sources, _ = data.load_split('test', data_dir=args.data_dir)
   for batch_size, block in results['batches'].items():
     count = block['num_sentences']
-    batches = make_batches(data.encode(sources[:count], INPUT_LENGTH), int(batch_size))
+    batches = make_batches(data.encode(sources[:count], INPUT_LENGTH), int(batch_size),
+                           results['meta'].get('input_length_step', 0))
     block['interleaved'] = interleaved(best_settings(block['rows']), configs, prepared, batches,
                                        count, args.repeats)
     for r in block['interleaved']:
@@ -703,6 +731,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   parser.add_argument('--sentences', default='1:100,8:200,32:320',
                       help='batch_size:number_of_sentences pairs (the first N test sentences)')
   parser.add_argument('--repeats', type=int, default=3, help='timed passes per configuration')
+  parser.add_argument('--input_length_step', type=int, default=INPUT_LENGTH_STEP,
+                      help='encoder width: each batch\'s longest input rounded up to a multiple '
+                           f'of this (0: every batch padded to {INPUT_LENGTH})')
   parser.add_argument('--quick', action='store_true', help='4 configurations, 16 sentences')
   parser.add_argument('--gammas', default='1,2,3,4,5,6,7,8,auto',
                       help="greedy speculative gammas ('auto': autogamma, as the infer job)")
@@ -771,7 +802,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
                  f'jax {jax.__version__} on {jax.devices()[0].platform}',
       'xla_flags': os.environ.get('XLA_FLAGS', ''), 'repeats': args.repeats,
-      'input_length': INPUT_LENGTH, 'output_length': OUTPUT_LENGTH, 'c_hat': c_hat,
+      'input_length': INPUT_LENGTH, 'input_length_step': args.input_length_step,
+      'output_length': OUTPUT_LENGTH, 'c_hat': c_hat,
       'memory_bandwidth_gbs': bandwidth, 'weight_streaming_floor_ms': floor_ms,
       'matmul_gflops': peak_gflops,
       'target_flops_per_token': configs['target'].decode_flops_per_token(),
@@ -789,7 +821,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   for batch_size, count in sizes.items():
     count = min(count, len(sources))
     token_rows = data.encode(sources[:count], INPUT_LENGTH)
-    batches = make_batches(token_rows, batch_size)
+    batches = make_batches(token_rows, batch_size, args.input_length_step)
     verify_sizes = sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, BILD_MAX_SMALL_STEPS + 1})
     steps = {'target': step_times_ms(configs['target'], params['target'], batch_size,
                                      verify_sizes),

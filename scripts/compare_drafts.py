@@ -23,7 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import jax
 import numpy as np
@@ -103,10 +103,7 @@ def main() -> None:
       configs, prepared = pairs[key[0]] if key[0] else first
       passes[key] = benchmark.compile_setting(key[1], configs, prepared, batches)[0]
       outputs[key] = jax.block_until_ready(passes[key]())
-    times: Dict[tuple, List[float]] = {key: [] for key in runs}
-    for _ in range(args.repeats):
-      for key in runs:
-        times[key].append(benchmark.timed(passes[key]))
+    times = benchmark.round_robin(passes, args.repeats)
     steps = {name: {'target': target_steps, 'draft': benchmark.step_times_ms(
         pairs[name][0]['draft'], pairs[name][1]['draft'], batch_size, (1, 2))} for name in drafts}
 
@@ -122,9 +119,7 @@ def main() -> None:
                                 steps[name] if name else steps[next(iter(drafts))],
                                 results['drafts'][name]['c_hat'] if name else 0.0,
                                 references[:count])
-      ratios = np.array(times[base_key]) / np.array(times[key])
-      row.update(draft=name, speedup=float(np.median(ratios)), speedup_min=float(ratios.min()),
-                 speedup_max=float(ratios.max()))
+      row.update(draft=name, **benchmark.speedup_over_rounds(times[base_key], times[key]))
       row.pop('totals', None)
       rows.append(row)
       print(f"batch {batch_size} {name or ''} {row['name']}: {row['ms_per_sentence']:.1f} "

@@ -26,7 +26,6 @@ from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from speculative_t5x import data
 from speculative_t5x import decoding
@@ -109,6 +108,8 @@ def main() -> None:
   parser.add_argument('--gamma', type=int, default=3, help='greedy speculative gamma')
   parser.add_argument('--sentences', type=int, default=16, help='test sentences to decode')
   parser.add_argument('--data_dir', default=None, help='folder holding multi30k/')
+  parser.add_argument('--input_length_step', type=int, default=16,
+                      help='encoder width: the longest input rounded up to this (0: 64)')
   args = parser.parse_args()
   configs, params = {}, {}
   for name in ('target', 'draft'):
@@ -136,8 +137,12 @@ def main() -> None:
   except FileNotFoundError as e:
     sys.exit(f'error: Multi30k not found ({e}); pass --data_dir or set {data.DATA_ENV_VAR}.')
   rows = data.encode(sources[:args.sentences], LENGTH)
+  # One width for all batches (one compiled program to join the trace with), as scripts/
+  # benchmark.py rounds each batch's.
+  width = data.pad_batch(rows, None, LENGTH, LENGTH, length_step=args.input_length_step)[
+      'encoder_input_tokens'].shape[1]
   batches = [{k: jnp.asarray(v) for k, v in data.pad_batch(
-      rows[i:i + args.batch], None, LENGTH, LENGTH, args.batch).items()}
+      rows[i:i + args.batch], None, width, LENGTH, args.batch).items()}
              for i in range(0, len(rows), args.batch)]
   prepared = jax.jit(models.EncoderDecoderModel(
       configs['target'], configs['draft']).with_decode_variables)(params)
@@ -149,8 +154,8 @@ def main() -> None:
                                        decode_kwargs=kwargs, eos_id=data.EOS_ID)
     compiled = jax.jit(model.predict_batch_with_aux).lower(prepared, batches[0]).compile()
     profile(lambda: [compiled(prepared, b) for b in batches], compiled.as_text(), 1, len(rows),
-            f'{title}, batch {args.batch}, {len(rows)} test sentences (per sentence: encoders '
-            'and the whole decode)')
+            f'{title}, batch {args.batch}, {len(rows)} test sentences, encoder width {width} '
+            '(per sentence: encoders and the whole decode)')
 
 
 if __name__ == '__main__':

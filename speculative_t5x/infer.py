@@ -42,7 +42,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from absl import flags
 from absl import logging
@@ -227,7 +227,7 @@ def read_task(name: str, split: str, module: Optional[str] = None) -> List[Examp
     seqio = speculative_t5x.require('seqio', 'data', 'seqio tasks')  # imports TensorFlow
   try:
     provider = seqio.get_mixture_or_task(name)
-  except ValueError as e:
+  except ValueError:
     raise InferError(f'unknown seqio task or mixture {name!r} (set MIXTURE_OR_TASK_MODULE to '
                      'the module that registers it)') from None
   ds = provider.get_dataset(sequence_length=None, split=split, shuffle=False, num_epochs=1)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
 import flax
 import flax.linen as nn
 from flax.linen import partitioning as nn_partitioning
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -581,7 +580,6 @@ def train(*,
 
   step = int(state['step'])
   window_start, window_steps = time.time(), 0
-  sums: Dict[str, float] = {}
   last_checkpoint = step
   try:
     while step < num_train_steps and not stop.stop:

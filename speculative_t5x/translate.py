@@ -95,8 +95,8 @@ def _batch(sentences: Sequence[str], batch_size: int) -> dict:
   """
   ids = data.encode(sentences, MAX_INPUT_LENGTH)
   rows = -(-len(ids) // batch_size) * batch_size  # fixed shapes: pad the last batch
-  width = min(MAX_INPUT_LENGTH, -(-max(map(len, ids)) // INPUT_LENGTH_STEP) * INPUT_LENGTH_STEP)
-  return data.pad_batch(ids, None, width, MAX_OUTPUT_LENGTH, rows)
+  return data.pad_batch(ids, None, MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, rows,
+                        length_step=INPUT_LENGTH_STEP)
 
 
 def main(argv: Sequence[str] = None) -> None:

@@ -43,6 +43,23 @@ def test_validation_split_round_trips(multi30k):
   assert len(test_sources) == 1000
 
 
+def test_pad_batch_rounds_the_encoder_width_up_to_the_step():
+  rows = [[5, 6, 7, 1], list(range(3, 20)) + [1]]  # 4 and 18 tokens
+  fixed = data.pad_batch(rows, None, 64, 32, batch_size=4)
+  assert fixed['encoder_input_tokens'].shape == (4, 64)
+  rounded = data.pad_batch(rows, None, 64, 32, batch_size=4, length_step=16)
+  assert rounded['encoder_input_tokens'].shape == (4, 32)
+  assert rounded['decoder_input_tokens'].shape == (4, 32)
+  np.testing.assert_array_equal(rounded['encoder_input_tokens'],
+                                fixed['encoder_input_tokens'][:, :32])
+  assert data.pad_batch(rows[:1], None, 64, 32, length_step=16)[
+      'encoder_input_tokens'].shape == (1, 16)
+  # Never wider than max_input_length, which also truncates as without a step.
+  capped = data.pad_batch([list(range(3, 73))], None, 64, 32, length_step=48)
+  assert capped['encoder_input_tokens'].shape == (1, 64)
+  np.testing.assert_array_equal(capped['encoder_input_tokens'][0], np.arange(3, 67))
+
+
 def test_packing_keeps_examples_separate():
   inputs = [[5, 6, 1], [7, 1], [8, 9, 10, 1], [11, 1]]
   targets = [[20, 1], [21, 22, 1], [23, 1], [24, 25, 26, 27, 1]]

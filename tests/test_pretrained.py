@@ -73,6 +73,19 @@ def test_speculative_greedy_equals_target_greedy(pair, sentences, target_greedy)
   assert all(text.strip() for text in data.decode(target_greedy))
 
 
+def test_rounded_encoder_width_keeps_the_outputs(pair, sentences, target_greedy):
+  """Encoding only up to the longest input rounded up to 8 (benchmark and translate round to
+  16): the padding the encoder skips is masked, so greedy tokens stay those of the full width."""
+  ids = data.encode(sentences, LENGTH)
+  short = [i for i, row in enumerate(ids) if len(row) <= 24]
+  assert len(short) >= 3
+  batch = data.pad_batch([ids[i] for i in short], None, LENGTH, LENGTH, length_step=8)
+  assert batch['encoder_input_tokens'].shape[1] <= 24
+  speculative = _greedy(pair, {k: jnp.asarray(v) for k, v in batch.items()},
+                        decoding.speculative_sample, {'temperature': 0.0, 'gamma': 2})
+  np.testing.assert_array_equal(speculative, target_greedy[short])
+
+
 def test_speculative_beam_search_equals_beam_search(pair, sentences):
   """Beam 4, T5X's brevity penalty: the same beams and scores, in fewer target calls."""
   target_config, draft_config, params = pair
