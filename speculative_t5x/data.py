@@ -150,6 +150,16 @@ def tokenize_pairs(sources: Sequence[str], targets: Sequence[str], max_input_len
   return encode(sources, max_input_length), encode(targets, max_target_length)
 
 
+def input_width(inputs: Sequence[Sequence[int]], max_input_length: int,
+                length_step: int = 0) -> int:
+  """Encoder width of a batch of `inputs`: max_input_length, or with length_step > 0 the longest
+  input rounded up to a multiple of length_step, at most max_input_length."""
+  if length_step <= 0:
+    return max_input_length
+  longest = max((len(ids) for ids in inputs), default=1)
+  return min(max_input_length, max(1, -(-longest // length_step)) * length_step)
+
+
 def pad_batch(inputs: Sequence[Sequence[int]], targets: Optional[Sequence[Sequence[int]]],
               max_input_length: int, max_target_length: int,
               batch_size: Optional[int] = None, length_step: int = 0) -> Dict[str, np.ndarray]:
@@ -161,16 +171,13 @@ def pad_batch(inputs: Sequence[Sequence[int]], targets: Optional[Sequence[Sequen
   len(inputs) (up to `batch_size`) are all padding, with zero loss weight, so a short last batch
   keeps the compiled shape.
 
-  input_length is max_input_length, or with length_step > 0 the longest input rounded up to a
-  multiple of length_step (at most max_input_length): the encoder and the cross-attention then
+  input_length is `input_width(inputs, max_input_length, length_step)`: with length_step > 0
+  the longest input rounded up to a multiple of it, so that the encoder and the cross-attention
   skip most of the padding short inputs leave (captions: ~15 tokens of 64), at one compilation
   per width in use.
   """
   n = len(inputs) if batch_size is None else batch_size
-  width = max_input_length
-  if length_step > 0:
-    longest = max((len(ids) for ids in inputs), default=1)
-    width = min(max_input_length, max(1, -(-longest // length_step)) * length_step)
+  width = input_width(inputs, max_input_length, length_step)
   enc = np.zeros((n, width), np.int32)
   for i, ids in enumerate(inputs):
     enc[i, :len(ids)] = ids[:width]

@@ -55,6 +55,7 @@ import speculative_t5x
 from speculative_t5x import autogamma
 from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
+from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import models
@@ -363,6 +364,7 @@ def infer(*,
           target_checkpoint_path: str = gin.REQUIRED,
           draft_checkpoint_path: Optional[str] = None,
           task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+          input_length_step: int = 0,
           mixture_or_task_name: Optional[str] = None,
           mixture_or_task_module: Optional[str] = None,
           input_file: Optional[str] = None,
@@ -389,6 +391,11 @@ def infer(*,
     target_checkpoint_path / draft_checkpoint_path: any format `checkpoints.load_checkpoint`
       reads; each is checked against its config.
     task_feature_lengths: {'inputs': encoder length, 'targets': maximum output length}.
+    input_length_step: 0 pads every batch's inputs to task_feature_lengths['inputs'] (T5X's
+      shapes); > 0 pads each batch only to its longest input rounded up to a multiple of it:
+      the encoder and every step's cross-attention skip the rest of the padding (outputs
+      unchanged), at one compilation per width met, when first met (counted in
+      compile_seconds). Pays on long jobs of short inputs.
     mixture_or_task_name / mixture_or_task_module / split: a seqio source; or
     input_file / input_format ('auto' by extension, 'text', 'tsv', 'jsonl').
     batch_size: global batch size (a multiple of the mesh's 'data' size).
@@ -499,15 +506,20 @@ def infer(*,
 
   local_batch = batch_size // num_processes
 
-  def make_batch(chunk_examples: Sequence[Example]) -> Dict[str, np.ndarray]:
-    enc = np.zeros((local_batch, input_length), np.int32)
-    for row, ex in enumerate(chunk_examples):
+  def make_batch(rows: Sequence[Example]) -> Any:
+    """This process's rows of the global batch `rows`, padded and sharded; the encoder width
+    comes from all of `rows`, so that every process builds the same global shape."""
+    mine = rows[process * local_batch:(process + 1) * local_batch]
+    width = data.input_width([ex.tokens for ex in rows], input_length, input_length_step)
+    enc = np.zeros((local_batch, width), np.int32)
+    for row, ex in enumerate(mine):
       enc[row, :len(ex.tokens)] = ex.tokens
-    return {'encoder_input_tokens': enc,
-            'decoder_input_tokens': np.zeros((local_batch, target_length), np.int32)}
+    return partitioning.shard_batch({
+        'encoder_input_tokens': enc,
+        'decoder_input_tokens': np.zeros((local_batch, target_length), np.int32)},
+                                    partitioner.mesh)
 
   compile_start = time.time()
-  example_batch = partitioning.shard_batch(make_batch([]), partitioner.mesh)
   rng0 = jax.random.PRNGKey(seed)
   decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
   candidates = {None: model}
@@ -520,11 +532,26 @@ def infer(*,
     if len(candidates) == 1:
       logging.info("gamma='auto': %d examples make fewer than %d batches; gamma %d, no "
                    'calibration.', len(examples), auto_min_batches, autogamma.FALLBACK_GAMMA)
-  compiled = {gamma: partitioner.partition_predict(m, params, num_decodes=num_decodes).lower(
-      params, example_batch, rng0).compile() for gamma, m in candidates.items()}
+  partitioned = {gamma: partitioner.partition_predict(m, params, num_decodes=num_decodes)
+                 for gamma, m in candidates.items()}
+  compiled = {}  # (gamma, encoder width): executable
+  compile_seconds = 0.0
+
+  def predict(gamma: Optional[int], batch: Any) -> Any:
+    nonlocal compile_seconds
+    key = (gamma, batch['encoder_input_tokens'].shape[1])
+    if key not in compiled:
+      start = time.time()
+      compiled[key] = partitioned[gamma].lower(params, batch, rng0).compile()
+      compile_seconds += time.time() - start
+    return compiled[key]
+
+  first_batch = make_batch(examples[:batch_size])
+  for gamma in partitioned:
+    predict(gamma, first_batch)
   compile_seconds = time.time() - compile_start
   logging.info('Compiled the %s predict function%s in %.1f s.', _decode_fn_name(model.decode_fn),
-               f's for gamma in {sorted(compiled)}' if len(compiled) > 1 else '',
+               f's for gamma in {sorted(partitioned)}' if len(partitioned) > 1 else '',
                compile_seconds)
   tuner, calibration_seconds = None, 0.0
 
@@ -545,27 +572,28 @@ def infer(*,
       if bar is not None:
         bar.update(len(members))
       continue
-    chunk_start = time.time()
+    chunk_start, chunk_compile_start = time.time(), compile_seconds
     records = []
     for b in range(-(-len(members) // batch_size)):
       rows = members[b * batch_size:(b + 1) * batch_size]
       mine = rows[process * local_batch:(process + 1) * local_batch]
-      batch = partitioning.shard_batch(make_batch(mine), partitioner.mesh)
+      batch = make_batch(rows)
       rng = jax.random.fold_in(jax.random.fold_in(rng0, c), b)
-      gamma = next(iter(compiled))
-      if len(compiled) > 1:
+      gamma = next(iter(partitioned))
+      if len(partitioned) > 1:
         if tuner is None:
-          calibration_start = time.time()
-          tuner = _calibrate(compiled, params, examples, batch_size, local_batch, process,
-                             make_batch, partitioner.mesh, rng0)
-          calibration_seconds = time.time() - calibration_start
+          calibration_start, compiled_before = time.time(), compile_seconds
+          tuner = _calibrate(predict, list(partitioned), params, examples, batch_size,
+                             make_batch, rng0)
+          calibration_seconds = (time.time() - calibration_start -
+                                 (compile_seconds - compiled_before))
           chunk_start += calibration_seconds  # decode_seconds: decoding only
           logging.info('gamma=auto: %s', tuner.summary())
         gamma = tuner.choose()
         if num_processes > 1:  # every process must run the same program
           from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
           gamma = int(multihost_utils.broadcast_one_to_all(np.int32(gamma)))
-      decodes, aux = compiled[gamma](params, batch, rng)
+      decodes, aux = predict(gamma, batch)(params, batch, rng)
       decodes, aux = _process_rows((decodes, aux), process, local_batch)
       if tuner is not None:  # the running alpha
         tuner.observe({k: v[:len(mine)] for k, v in aux['stats'].items()})
@@ -577,7 +605,7 @@ def infer(*,
                                     output_ids))
       if bar is not None:
         bar.update(len(rows))
-    decode_seconds = time.time() - chunk_start
+    decode_seconds = time.time() - chunk_start - (compile_seconds - chunk_compile_start)
     _atomic_write(meta_file(c, process), json.dumps({'decode_seconds': decode_seconds,
                                                      'examples': len(records)}))
     # The rename of the chunk file is the commit point of this chunk.
@@ -612,7 +640,7 @@ def infer(*,
           'draft_checkpoint': draft_checkpoint_path if model.uses_draft else None,
           'source': input_file or f'{mixture_or_task_name}:{split}',
           'task_feature_lengths': {'inputs': input_length, 'targets': target_length},
-          'batch_size': batch_size, 'checkpoint_period': checkpoint_period,
+          'input_length_step': input_length_step, 'batch_size': batch_size, 'checkpoint_period': checkpoint_period,
           'mesh': dict(partitioner.mesh.shape), 'processes': num_processes,
           'devices': jax.device_count(), 'backend': jax.default_backend(),
           'dtype': str(dtype) if dtype is not None else None, 'seed': seed,
@@ -630,18 +658,15 @@ def infer(*,
   return summary
 
 
-def _calibrate(compiled: Mapping[int, Any], params: Any, examples: Sequence[Example],
-               batch_size: int, local_batch: int, process: int, make_batch: Callable,
-               mesh: Any, rng: jax.Array) -> autogamma.GammaTuner:
-  """gamma='auto': times every compiled gamma on the job's first batches."""
+def _calibrate(predict: Callable[[int, Any], Any], gammas: Sequence[int], params: Any,
+               examples: Sequence[Example], batch_size: int, make_batch: Callable,
+               rng: jax.Array) -> autogamma.GammaTuner:
+  """gamma='auto': times every candidate gamma on the job's first batches; predict(gamma,
+  batch) is the executable for that gamma and the batch's shape."""
   count = autogamma.calibration_batches(batch_size, -(-len(examples) // batch_size))
-  batches = []
-  for b in range(count):
-    rows = examples[b * batch_size:(b + 1) * batch_size]
-    mine = rows[process * local_batch:(process + 1) * local_batch]
-    batches.append(partitioning.shard_batch(make_batch(mine), mesh))
+  batches = [make_batch(examples[b * batch_size:(b + 1) * batch_size]) for b in range(count)]
   return autogamma.calibrate(
-      {g: (lambda batch, fn=fn: fn(params, batch, rng)) for g, fn in compiled.items()}, batches)
+      {g: (lambda batch, g=g: predict(g, batch)(params, batch, rng)) for g in gammas}, batches)
 
 
 def _process_rows(outputs: Any, process: int, local_batch: int) -> Any:

@@ -15,6 +15,7 @@ import pytest
 import speculative_t5x
 from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
+from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import infer
@@ -173,6 +174,29 @@ def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
   # A second call finds the completed output and does nothing.
   again = _infer(setup, tmp_path / 'out', source, output_ids=True)
   assert again == json.loads(next((tmp_path / 'out').glob('*.summary.json')).read_text())
+
+
+def test_input_length_step_keeps_the_predictions(setup, tmp_path):
+  """Batches padded only to their longest input, rounded up to 8, decode as at the full width,
+  also with gamma='auto' calibrating on batches of different widths (compiled as met)."""
+  lines = _german_lines(6)
+  source = tmp_path / 'in.txt'
+  source.write_text('\n'.join([lines[0], ' '.join(lines[1:3]), lines[3], lines[4][:10],
+                               lines[5], ' '.join(lines)]) + '\n', encoding='utf-8')
+  full = _infer(setup, tmp_path / 'full', source)
+  rounded = _infer(setup, tmp_path / 'rounded', source, input_length_step=8, max_gamma=1,
+                   auto_min_batches=1,
+                   model=_model(decode_kwargs={'gamma': 'auto', 'temperature': 0.0}))
+  assert full['config']['input_length_step'] == 0
+  assert rounded['config']['input_length_step'] == 8
+  assert sorted(rounded['gamma_auto']['batch_ms']) == [0, 1]
+  assert [r['prediction'] for r in _outputs(tmp_path / 'rounded')] == [
+      r['prediction'] for r in _outputs(tmp_path / 'full')]
+  examples = infer.read_input_file(source)
+  infer.tokenize(examples, _model().input_vocabulary, 32, infer.InputReport())
+  widths = {data.input_width([ex.tokens for ex in examples[b:b + 2]], 32, 8)
+            for b in range(0, 6, 2)}
+  assert len(widths) > 1, widths  # the job met several widths
 
 
 def test_beam_size_reaches_the_decoder(setup, tmp_path):
