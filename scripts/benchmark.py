@@ -160,12 +160,16 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def step_times_ms(config: network.T5Config, params, batch: int, chunk_sizes: Sequence[int],
-                  position: int = 8, repeats: int = 20) -> Dict[int, float]:
+                  position: int = 8, repeats: int = 7, steps_per_call: int = 16
+                  ) -> Dict[int, float]:
   """Median ms of one cached decode step appending k tokens per row, for k in chunk_sizes.
 
   The cache holds `position` tokens of a 20-token input; the step runs with the decode
-  variables, as in the loops. It is jitted on its own, so the times include one dispatch that
-  the decode loops (one while_loop per batch) do not pay.
+  variables. Steps are timed as the decode loops run them: `steps_per_call` of them in one
+  jitted `fori_loop` carrying the cache (each step's index stays at `position`, and depends on its
+  logits so that nothing is dead code). A step jitted alone would add a dispatch (~0.3-1 ms
+  here) that the loops do not pay and hide how the step grows with k. The sizes take turns in
+  each of `repeats` rounds, so that slow phases of the machine hit all of them alike.
   """
   module = network.Transformer(config)
   variables = {'params': params,
@@ -175,11 +179,18 @@ def step_times_ms(config: network.T5Config, params, batch: int, chunk_sizes: Seq
   cache = module.apply({'params': params}, encoded, encoder_tokens, OUTPUT_LENGTH,
                        method=network.Transformer.init_cache)
   cache = cache.with_index(jnp.full((batch,), position, jnp.int32))
-  step = jax.jit(lambda v, tokens, c: module.apply(v, tokens, c,
-                                                   method=network.Transformer.decode_step)[0])
-  return {k: 1e3 * median_seconds(
-      lambda: step(variables, jnp.full((batch, k), 5, jnp.int32), cache), repeats)
-          for k in chunk_sizes}
+
+  def steps(variables, cache, k):
+    def body(_, cache):
+      logits, new_cache = module.apply(variables, jnp.full((batch, k), 5, jnp.int32), cache,
+                                       method=network.Transformer.decode_step)
+      return new_cache.with_index(cache.index + (jnp.argmax(logits[:, -1], axis=-1) < 0))
+    return jax.lax.fori_loop(0, steps_per_call, body, cache).index
+
+  loops = {k: jax.jit(functools.partial(steps, k=k)) for k in chunk_sizes}
+  times = round_robin({k: (lambda f=f: f(variables, cache)) for k, f in loops.items()},
+                      repeats + 1)  # the first round compiles and warms up
+  return {k: 1e3 * float(np.median(t[1:])) / steps_per_call for k, t in times.items()}
 
 
 def step_weight_bytes(config: network.T5Config, params) -> int:
