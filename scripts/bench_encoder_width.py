@@ -20,8 +20,6 @@ import jax
 import numpy as np
 
 from speculative_t5x import data
-from speculative_t5x import models
-from speculative_t5x import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -34,12 +32,7 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--data_dir', default=None)
   args = parser.parse_args()
-  configs, params = {}, {}
-  for name in ('target', 'draft'):
-    configs[name], params[name], _ = train.load_weights(
-        benchmark.PRETRAINED / f'multi30k_de_en_{name}.msgpack')
-  prepared = jax.jit(models.EncoderDecoderModel(
-      configs['target'], configs['draft']).with_decode_variables)(params)
+  configs, _, prepared = benchmark.load_pair()
   sources, _ = data.load_split('test', data_dir=args.data_dir)
   settings = {'target-only': benchmark.Setting('baseline'),
               'speculative': benchmark.Setting('speculative', gamma=args.gamma)}

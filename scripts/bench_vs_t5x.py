@@ -30,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from speculative_t5x import data  # pylint: disable=wrong-import-position
-from speculative_t5x import models  # pylint: disable=wrong-import-position
-from speculative_t5x import train  # pylint: disable=wrong-import-position
 
 
 def t5x_greedy_pass(target_config, target_params, batches):
@@ -65,12 +63,7 @@ def main() -> None:
   parser.add_argument('--data_dir', default=None)
   parser.add_argument('--out', default='results/cpu/vs_t5x.json')
   args = parser.parse_args()
-  configs, params = {}, {}
-  for name in ('target', 'draft'):
-    configs[name], params[name], _ = train.load_weights(
-        benchmark.PRETRAINED / f'multi30k_de_en_{name}.msgpack')
-  prepared = jax.jit(models.EncoderDecoderModel(
-      configs['target'], configs['draft']).with_decode_variables)(params)
+  configs, params, prepared = benchmark.load_pair()
   sources, _ = data.load_split('test', data_dir=args.data_dir)
   settings = [benchmark.Setting('baseline')] + [
       benchmark.Setting('speculative', gamma=g if g == 'auto' else int(g))

@@ -233,6 +233,20 @@ def timed(fn) -> float:
   return time.perf_counter() - start
 
 
+def load_pair(target: Union[str, Path] = PRETRAINED / 'multi30k_de_en_target.msgpack',
+              draft: Union[str, Path] = PRETRAINED / 'multi30k_de_en_draft.msgpack'
+              ) -> Tuple[Dict[str, network.T5Config], Dict[str, Any], Dict[str, Any]]:
+  """(configs, params, prepared) of a target/draft pair, each keyed 'target' and 'draft'
+  (default: the embedded pair). `prepared` adds the decode-time weight layouts once, as a
+  loaded checkpoint would be prepared (`with_decode_variables`)."""
+  configs, params = {}, {}
+  for name, path in (('target', target), ('draft', draft)):
+    configs[name], params[name], _ = train.load_weights(path)
+  prepared = jax.jit(models.EncoderDecoderModel(
+      configs['target'], configs['draft']).with_decode_variables)(params)
+  return configs, params, prepared
+
+
 def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int,
                  length_step: int = INPUT_LENGTH_STEP) -> List[Dict[str, Any]]:
   """[batch_size, width] batches, the last padded with all-zero rows. width is each batch's
@@ -712,11 +726,7 @@ def confirm(out_dir: Path, args: argparse.Namespace) -> None:
   """Adds `interleaved` re-timings of each batch block's best configurations to the results."""
   json_path = out_dir / 'benchmark.json'
   results = json.loads(json_path.read_text())
-  configs, params = {}, {}
-  for name, path in (('target', args.target), ('draft', args.draft)):
-    configs[name], params[name], _ = train.load_weights(path)
-  prepared = jax.jit(models.EncoderDecoderModel(
-      configs['target'], configs['draft']).with_decode_variables)(params)
+  configs, _, prepared = load_pair(args.target, args.draft)
   sources, _ = data.load_split('test', data_dir=args.data_dir)
   for batch_size, block in results['batches'].items():
     count = block['num_sentences']
@@ -784,9 +794,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     raise SystemExit(f'error: Multi30k not found ({e}); pass --data_dir or set '
                      f'{data.DATA_ENV_VAR}.')
 
-  configs, params = {}, {}
-  for name, path in (('target', args.target), ('draft', args.draft)):
-    configs[name], params[name], _ = train.load_weights(path)
+  configs, params, prepared = load_pair(args.target, args.draft)
   c_hat = configs['draft'].decode_flops_per_token() / configs['target'].decode_flops_per_token()
   try:
     ints = lambda spec: [g if g == autogamma.AUTO else int(g) for g in spec.split(',') if g]
@@ -799,9 +807,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     raise SystemExit("error: --gammas/--sampling_gammas want integers (or 'auto') like 1,2,auto, "
                      '--bild fallback:rollback pairs like 0.6:5 and --beams beam:branching '
                      'pairs like 4:8')
-  # Decode-time weight layouts, computed once as a loaded checkpoint would be prepared.
-  prepared = jax.jit(models.EncoderDecoderModel(
-      configs['target'], configs['draft']).with_decode_variables)(params)
   bandwidth = memory_bandwidth_gbs()
   peak_gflops = matmul_gflops()
   floor_ms = {name: 1e3 * step_weight_bytes(configs[name], params[name]) / (bandwidth * 1e9)
