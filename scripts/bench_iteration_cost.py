@@ -16,7 +16,6 @@ the compiled loop; they cannot say which part of an iteration costs what.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -24,7 +23,6 @@ import jax
 import numpy as np
 
 from speculative_t5x import data
-from speculative_t5x import models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -41,38 +39,33 @@ def main() -> None:
   sources, _ = data.load_split('test', data_dir=args.data_dir)
   settings = [benchmark.Setting('baseline')] + [
       benchmark.Setting('speculative', gamma=int(g)) for g in args.gammas.split(',') if g]
-  rng = jax.random.PRNGKey(0)
   for batch_size, count in benchmark.parse_sentences(args.sentences).items():
     batches = benchmark.make_batches(data.encode(sources[:count], benchmark.INPUT_LENGTH),
                                      batch_size)
     passes, iterations = {}, {}
     for setting in settings:
-      decode_fn, kwargs = setting.decoder()
-      model = models.EncoderDecoderModel(configs['target'], configs['draft'],
-                                         decode_fn=decode_fn, decode_kwargs=kwargs,
-                                         eos_id=data.EOS_ID)
       for steps in (None, 1):
-        decoder_params = None if steps is None else {'max_decode_steps': steps}
-        predict = benchmark.compile_per_width(jax.jit(functools.partial(
-            model.predict_batch_with_aux, decoder_params=decoder_params)), prepared, batches, rng)
-        one_pass = lambda predict=predict: [predict(prepared, b, rng) for b in batches]
+        one_pass = benchmark.compile_setting(
+            setting, configs, prepared, batches,
+            decoder_params=None if steps is None else {'max_decode_steps': steps})[0]
         outputs = jax.block_until_ready(one_pass())
         if steps is None:
           iterations[setting] = sum(int(np.asarray(aux['stats']['target_calls']).max())
                                     for _, aux in outputs)
         passes[setting, steps] = one_pass
     times = {k: float(np.median(t)) for k, t in benchmark.round_robin(passes, args.rounds).items()}
-    print(f'batch {batch_size}, {count} sentences, {len(batches)} batches:')
+    # Seconds of one loop iteration beyond each batch's first.
+    iteration = {s: (times[s, None] - times[s, 1]) / (iterations[s] - len(batches))
+                 for s in settings}
     base = settings[0]
-    base_iteration = None
+    print(f'batch {batch_size}, {count} sentences, {len(batches)} batches:')
     for setting in settings:
-      whole, first = times[setting, None], times[setting, 1]
-      iteration = (whole - first) / (iterations[setting] - len(batches))
-      base_iteration = base_iteration or iteration
-      print(f'  {setting.name:26s} {1e3 * whole / len(batches):6.1f} ms a batch; one iteration '
-            f'{1e3 * iteration:.2f} ms ({iteration / base_iteration:.2f}x the target-only step), '
+      print(f'  {setting.name:26s} {1e3 * times[setting, None] / len(batches):6.1f} ms a batch; '
+            f'one iteration {1e3 * iteration[setting]:.2f} ms '
+            f'({iteration[setting] / iteration[base]:.2f}x the target-only step), '
             f'{iterations[setting] / len(batches):.2f} iterations a batch; one-iteration pass '
-            f'{1e3 * first / len(batches):.1f} ms; speedup {times[base, None] / whole:.2f}x')
+            f'{1e3 * times[setting, 1] / len(batches):.1f} ms; '
+            f'speedup {times[base, None] / times[setting, None]:.2f}x')
 
 
 if __name__ == '__main__':

@@ -267,9 +267,11 @@ def compile_per_width(jitted, params, batches: Sequence[Dict[str, Any]], *args) 
   return lambda p, batch, *a: compiled[width(batch)](p, batch, *a)
 
 
-def compile_setting(setting: Setting, configs, params, batches, seed: int = 0
+def compile_setting(setting: Setting, configs, params, batches, seed: int = 0,
+                    decoder_params: Optional[Dict[str, Any]] = None
                     ) -> Tuple[Callable[[], List[Any]], float, Dict[str, Any]]:
-  """(one_pass, compile seconds, info): one_pass() decodes every batch once with `setting`.
+  """(one_pass, compile seconds, info): one_pass() decodes every batch once with `setting`
+  (decoder_params: extra decode_fn arguments, as predict_batch_with_aux takes them).
 
   gamma='auto' compiles gamma 0..autogamma.MAX_GAMMA, calibrates on the first batches (seconds
   in info['calibration_s'], not in compile seconds) and then chooses per batch, as the infer
@@ -282,6 +284,8 @@ def compile_setting(setting: Setting, configs, params, batches, seed: int = 0
   auto = autogamma.wants_auto(model, kwargs)
   candidates = autogamma.decoders(model, kwargs) if auto else {None: model}
   predict_kwargs = {'num_decodes': setting.beam} if setting.beam else {}
+  if decoder_params:
+    predict_kwargs['decoder_params'] = decoder_params
   start = time.perf_counter()
   predicts = {g: compile_per_width(jax.jit(functools.partial(
       m.predict_batch_with_aux, **predict_kwargs)), params, batches, rngs[0])
