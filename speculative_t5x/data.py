@@ -21,13 +21,17 @@ models trained on it inherit that restriction.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import gin
 import numpy as np
 
 import speculative_t5x
+from speculative_t5x import errors
+from speculative_t5x import gin_utils
 
 PAD_ID = 0
 EOS_ID = 1
@@ -116,16 +120,62 @@ def encode(texts: Sequence[str], max_length: Optional[int] = None,
 
 
 def decode(ids: Sequence[Sequence[int]], path: str = str(VOCAB_PATH)) -> List[str]:
-  """Text of each row of ids, cut at the first EOS; padding and ids past the vocabulary dropped."""
-  sp = get_sentencepiece(path)
-  size = sp.get_piece_size()
-  texts = []
-  for row in ids:
-    row = [int(t) for t in row]
-    if EOS_ID in row:
-      row = row[:row.index(EOS_ID)]
-    texts.append(sp.decode([t for t in row if UNK_ID <= t < size]))
-  return texts
+  """Text of each row of ids (`SentencePieceVocabulary.decode`)."""
+  vocabulary = _vocabulary(path)
+  return [vocabulary.decode(row) for row in ids]
+
+
+@gin.configurable(module='vocabularies')
+class SentencePieceVocabulary:
+  """A SentencePiece vocabulary without TensorFlow (the seqio class's name and arguments).
+
+  Ids: pieces as in the model file (T5: pad 0, EOS 1, UNK 2), then `extra_ids` sentinels.
+  A relative path is tried against the working directory, then the package (`gin_utils.resolve_path`).
+  """
+
+  def __init__(self, sentencepiece_model_file: str, extra_ids: int = 0):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    path = gin_utils.resolve_path(sentencepiece_model_file)
+    if str(sentencepiece_model_file).startswith('gs://') or not path.is_file():
+      raise errors.InferError(f'vocabulary file not found: {sentencepiece_model_file} (a local '
+                              'path is needed; copy gs:// files first)')
+    self.path = path
+    self.model_bytes = path.read_bytes()
+    self._sp = spm.SentencePieceProcessor(model_proto=self.model_bytes)
+    self.extra_ids = extra_ids
+
+  @property
+  def eos_id(self) -> int:
+    return int(self._sp.eos_id())
+
+  @property
+  def unk_id(self) -> int:
+    return int(self._sp.unk_id())
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self._sp.get_piece_size()) + self.extra_ids
+
+  @property
+  def digest(self) -> str:
+    """Identity of the vocabulary: same pieces and extra ids <=> same digest."""
+    return hashlib.sha256(self.model_bytes + str(self.extra_ids).encode()).hexdigest()[:16]
+
+  def encode(self, text: str) -> List[int]:
+    return list(self._sp.encode(text))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of ids up to the first EOS; padding (0) and sentinel ids are dropped."""
+    ids = [int(i) for i in ids]
+    if self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    size = self._sp.get_piece_size()
+    return self._sp.decode([i for i in ids if PAD_ID < i < size])
+
+
+@functools.lru_cache(maxsize=None)
+def _vocabulary(path: str) -> SentencePieceVocabulary:
+  return SentencePieceVocabulary(path)
 
 
 # ------------------------------------------------------------------------------------------------

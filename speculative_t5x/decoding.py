@@ -886,7 +886,7 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
   draft's; both callables must write at `DecodingState.cur_index` (the project's DecoderCache).
   gamma: the (static) maximum number of draft tokens per target call ('auto' in a model's
-    decode_kwargs or gin is chosen per batch by `autogamma`, before this is called).
+    decode_kwargs or gin is chosen per batch by `policy`, before this is called).
   adaptive_gamma: per row, gamma grows by 2 after a fully accepted draft and shrinks by 1 after a
     rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
     draft's top probability falls below it (the unconfident token is not proposed). Both only
@@ -903,7 +903,7 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
   """
   if gamma == 'auto':
     raise ValueError("gamma='auto' is resolved per batch outside the jitted decoder "
-                     '(`autogamma`: the infer job and the translate command do it); give '
+                     '(`policy`: the infer job and the translate command do it); give '
                      'speculative_sample an int.')
   if gamma < 1:
     raise ValueError(f'gamma must be >= 1, got {gamma}.')

@@ -21,24 +21,18 @@ Multi30k's licence limits the embedded models to non-commercial research and edu
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import sys
-import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from speculative_t5x import autogamma
-from speculative_t5x import data
 from speculative_t5x import gin_utils
 from speculative_t5x import models
-from speculative_t5x import train
+from speculative_t5x import pipeline
+from speculative_t5x import policy
 
-PRETRAINED = gin_utils.PACKAGE_DIR / 'pretrained'
 SAMPLE = gin_utils.PACKAGE_DIR / 'samples' / 'captions_de.txt'
 # Per sentence, the target's mean log-probability of its own greedy output tokens (EOS included),
 # measured: below it are 36 of test_2016_flickr's 1000 captions (median -0.68) and 12 of 16
@@ -86,123 +80,107 @@ def mean_token_log_probs(model: models.EncoderDecoderModel, params: dict,
   return np.asarray(scores) / np.maximum(weights.sum(axis=1), 1)
 
 
-def _batch(sentences: Sequence[str], batch_size: int) -> dict:
-  """All sentences as one padded batch of rows, a multiple of batch_size (no row is split).
-
-  The encoder width is the longest input rounded up to INPUT_LENGTH_STEP, not
-  MAX_INPUT_LENGTH: the encoder and every decode step's cross-attention then skip padding that
-  captions (~15 tokens) would leave, at one compilation per width in use.
-  """
-  ids = data.encode(sentences, MAX_INPUT_LENGTH)
-  rows = -(-len(ids) // batch_size) * batch_size  # fixed shapes: pad the last batch
-  return data.pad_batch(ids, None, MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, rows,
-                        length_step=INPUT_LENGTH_STEP)
-
-
-def main(argv: Sequence[str] = None) -> None:
+def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog='speculative-t5x-translate', description='\n\n'.join(__doc__.split('\n\n')[0:3:2]), formatter_class=argparse.RawDescriptionHelpFormatter)
+      prog='speculative-t5x-translate', description='\n\n'.join(__doc__.split('\n\n')[0:3:2]),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('sentences', nargs='*', help='German image captions (default: piped '
                       'stdin, else a bundled sample)')
   parser.add_argument('--file', help='a file with one German sentence per line')
-  parser.add_argument('--gamma', default=autogamma.AUTO,
+  parser.add_argument('--gamma', default=policy.AUTO,
                       help="draft tokens per target call, or 'auto' (default): timed per "
                            f'gamma on the first batches when there are at least '
-                           f'{autogamma.MIN_BATCHES} batches, else {autogamma.FALLBACK_GAMMA}')
+                           f'{policy.MIN_BATCHES} batches, else {policy.FALLBACK_GAMMA}')
   parser.add_argument('--batch_size', type=int, default=8,
                       help='at most this many sentences per batch (fewer sentences: one batch '
                            'of exactly that many, so no padding rows are decoded)')
-  parser.add_argument('--target', default=str(PRETRAINED / 'multi30k_de_en_target.msgpack'),
-                      help='target weights (train.export_weights file); default: embedded')
-  parser.add_argument('--draft', default=str(PRETRAINED / 'multi30k_de_en_draft.msgpack'),
+  parser.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET),
+                      help='target weights (checkpoints.export_weights file); default: embedded')
+  parser.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT),
                       help='draft weights; default: embedded')
   args = parser.parse_args(argv)
-  if args.gamma != autogamma.AUTO:
+  if args.gamma != policy.AUTO:
     try:
       args.gamma = int(args.gamma)
     except ValueError:
       args.gamma = 0
-  if args.gamma != autogamma.AUTO and args.gamma < 1 or args.batch_size < 1:
+  if args.gamma != policy.AUTO and args.gamma < 1 or args.batch_size < 1:
     raise SystemExit("error: --gamma must be 'auto' or at least 1, and --batch_size at least 1.")
-  sentences = _read_sentences(args)
-  args.batch_size = min(args.batch_size, len(sentences))
+  return args
 
-  try:
-    target_config, target_params, _ = train.load_weights(args.target)
-    draft_config, draft_params, _ = train.load_weights(args.draft)
-  except (OSError, ValueError, KeyError) as e:
-    raise SystemExit(f'error: cannot load the model weights: {e}') from None
-  params = {'target': target_params, 'draft': draft_params}
-  # Decode-time weight layouts once, not once per batch.
-  params = jax.jit(models.EncoderDecoderModel(target_config, draft_config).with_decode_variables)(
-      params)
-  batch = _batch(sentences, args.batch_size)
-  chunks = [{k: jnp.asarray(v[i:i + args.batch_size]) for k, v in batch.items()}
-            for i in range(0, len(batch['encoder_input_tokens']), args.batch_size)]
-  model = models.EncoderDecoderModel(target_config, draft_config,
-                                     decode_kwargs={'temperature': 0.0, 'gamma': args.gamma},
-                                     eos_id=data.EOS_ID)
-  gammas = [args.gamma]
-  if args.gamma == autogamma.AUTO:
-    gammas = [g for g in autogamma.candidates(len(chunks)) if g > 0]
-  decoders = autogamma.decoders(model, model.decode_kwargs, max(gammas))
-  compiled = {g: jax.jit(decoders[g].predict_batch_with_aux) for g in [0] + gammas}
-  for predict in compiled.values():
-    jax.block_until_ready(predict(params, chunks[0]))  # compile
-  tuner, gammas_used = None, collections.Counter()
-  if len(gammas) > 1:
-    count = autogamma.calibration_batches(args.batch_size, len(chunks))
-    tuner = autogamma.calibrate({g: functools.partial(p, params) for g, p in compiled.items()},
-                                chunks[:count])
 
-  def speculative(params, chunk):
-    gamma = tuner.choose() if tuner else gammas[0]
-    gammas_used[gamma] += 1
-    decodes, aux = compiled[gamma](params, chunk)
-    if tuner:
-      tuner.observe({k: np.asarray(v) for k, v in aux['stats'].items()})
-    return decodes, aux
+def _timed(pipe: pipeline.Pipeline, sentences: Sequence[str], gamma: Union[int, str]
+           ) -> Tuple[Dict[str, pipeline.Decoded], Dict[str, float], int]:
+  """Greedy speculative and target-only decodes of `sentences`, and each one's median seconds.
 
-  predicts = {'speculative': speculative, 'target-only': compiled[0]}
-  # A few sentences decode in milliseconds, where one pass of each is noise: alternate the two
-  # decoders over several rounds and keep each one's median.
+  Both are compiled (and gamma='auto' calibrated) first. A few sentences decode in
+  milliseconds, where one pass of each is noise: the two alternate over several rounds.
+  """
+  passes = {'speculative': lambda: pipe.decode(sentences, 'speculative', gamma=gamma),
+            'target-only': lambda: pipe.decode(sentences, 'target')}
+  results = {name: one_pass() for name, one_pass in passes.items()}  # compile, calibrate
+
+  def remember(name):
+    def one_pass():
+      results[name] = passes[name]()
+      return results[name].tokens
+    return one_pass
+
   rounds = TIMING_ROUNDS if len(sentences) <= 64 else 1
-  times = {name: [] for name in predicts}
-  runs = {}  # name -> (decodes, stats) of the last round
-  for _ in range(rounds):
-    for name, predict in predicts.items():
-      start = time.perf_counter()
-      outputs = [jax.block_until_ready(predict(params, chunk)) for chunk in chunks]
-      times[name].append(time.perf_counter() - start)
-      decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:len(sentences)]
-      stats = {k: np.concatenate([np.asarray(a['stats'][k]) for _, a in outputs])[:len(sentences)]
-               for k in ('accepted', 'proposed', 'target_calls', 'emitted')}
-      runs[name] = (decodes, stats)
-  seconds, base_seconds = (float(np.median(times[name])) for name in predicts)
+  times = policy.round_robin({name: remember(name) for name in passes}, rounds)
+  return results, {name: float(np.median(t)) for name, t in times.items()}, rounds
 
-  decodes, stats = runs['speculative']
-  scorer = models.EncoderDecoderModel(target_config, draft_config)
-  log_probs = mean_token_log_probs(scorer, params, batch['encoder_input_tokens'][:len(sentences)],
-                                   decodes)
+
+def _print_translations(pipe: pipeline.Pipeline, sentences: Sequence[str],
+                        result: pipeline.Decoded) -> None:
+  """Each translation, flagged where the target finds its own output unlikely."""
+  encoder_input_tokens = np.concatenate(
+      [np.asarray(b['encoder_input_tokens']) for b in pipe.batches(sentences)])[:len(sentences)]
+  log_probs = mean_token_log_probs(pipe.pair.model(), pipe.pair.params, encoder_input_tokens,
+                                   result.tokens)
   unusual = log_probs < OUT_OF_DOMAIN_LOG_PROB
-  for source, translation, flag in zip(sentences, data.decode(decodes), unusual):
+  for source, translation, flag in zip(sentences, result.texts, unusual):
     print(f'{source}\n  -> {translation}' + ('   [looks out of domain]' if flag else ''))
   if unusual.any():
     print(f'\n{unusual.sum()} of {len(sentences)} inputs look out of domain for the embedded '
           f'pair (image captions): the target gives its own output a mean log-probability per '
           f'token below {OUT_OF_DOMAIN_LOG_PROB} (as for 36 of the 1000 Multi30k test captions).')
-  base_decodes, _ = runs['target-only']
+
+
+def _print_statistics(n: int, gamma: Union[int, str], results: Mapping[str, pipeline.Decoded],
+                      seconds: Mapping[str, float], rounds: int) -> None:
+  result, base = results['speculative'], results['target-only']
+  stats = result.stats
   alpha = stats['accepted'].sum() / max(stats['proposed'].sum(), 1)
   per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
   timing = f'median of {rounds} alternating runs' if rounds > 1 else 'one run each'
-  gamma = ', '.join(str(g) for g in sorted(gammas_used))
-  if args.gamma == autogamma.AUTO:
-    gamma = f'auto: {gamma}' + ('' if tuner else ', too few batches to time each gamma')
-  print(f'\n{len(sentences)} sentence{"s" * (len(sentences) > 1)}, gamma={gamma}: '
+  (rows, used), = result.schedule.items()
+  chosen = ', '.join(str(g) for g in sorted(used))
+  if gamma == policy.AUTO:
+    chosen = f'auto: {chosen}' + ('' if result.calibration else
+                                  ', too few batches to time each gamma')
+  spec, target_only = seconds['speculative'], seconds['target-only']
+  print(f'\n{n} sentence{"s" * (n > 1)}, gamma={chosen}: '
         f'alpha={alpha:.3f}, {per_call:.2f} tokens per target call, speculative '
-        f'{1e3 * seconds:.0f} ms vs target-only {1e3 * base_seconds:.0f} ms ({timing}; '
-        f'{base_seconds / seconds:.2f}x); outputs identical to '
-        f'target-only greedy: {bool((decodes == base_decodes).all())}')
+        f'{1e3 * spec:.0f} ms vs target-only {1e3 * target_only:.0f} ms ({timing}; '
+        f'{target_only / spec:.2f}x); outputs identical to '
+        f'target-only greedy: {bool((result.tokens == base.tokens).all())}')
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  args = _parse_args(argv)
+  sentences = _read_sentences(args)
+  try:
+    pair = pipeline.load_pair(args.target, args.draft)
+  except (OSError, ValueError, KeyError) as e:
+    raise SystemExit(f'error: cannot load the model weights: {e}') from None
+  pipe = pipeline.Pipeline(pair, batch_size=min(args.batch_size, len(sentences)),
+                           max_input_length=MAX_INPUT_LENGTH,
+                           max_output_length=MAX_OUTPUT_LENGTH,
+                           input_length_step=INPUT_LENGTH_STEP)
+  results, seconds, rounds = _timed(pipe, sentences, args.gamma)
+  _print_translations(pipe, sentences, results['speculative'])
+  _print_statistics(len(sentences), args.gamma, results, seconds, rounds)
 
 
 if __name__ == '__main__':

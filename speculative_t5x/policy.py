@@ -1,4 +1,7 @@
-"""gamma='auto': the draft length chosen per batch from measured decode times and a running alpha.
+"""The decoding policy: which compiled decoder each batch of a job runs, fixed or measured.
+
+A fixed decoder runs every batch as configured. gamma='auto' chooses the draft length per batch
+from measured decode times and a running alpha:
 
 The paper's expected output tokens per target call, E(alpha, gamma) = (1 - alpha^(gamma + 1)) /
 (1 - alpha), sets how many loop iterations a batch needs; what one iteration costs at each gamma
@@ -19,10 +22,11 @@ alone; the infer job records the gamma of every batch.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import time
-from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -45,6 +49,31 @@ FALLBACK_GAMMA = 1
 # predict(batch) -> (decodes, aux) with aux['stats'] the per-row `decoding.DecodeStats` fields,
 # for one fixed gamma; the tuner blocks on the result itself.
 Predict = Callable[[Any], Tuple[Any, Mapping[str, Any]]]
+
+
+def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
+                clock: Callable[[], float] = time.perf_counter) -> Dict[Hashable, List[float]]:
+  """Seconds of every pass in each of `repeats` rounds, blocking on each pass's result.
+
+  The passes take turns within a round, so that slow phases of a shared machine hit all of them
+  alike; compare them within a round (`relative_medians`), never across runs. Warm the passes
+  up (compile them) first. The one timing primitive of the project: the policy's calibration,
+  the translate command and the benchmarks all time with it.
+  """
+  times = {key: [] for key in passes}
+  for _ in range(repeats):
+    for key, one_pass in passes.items():
+      start = clock()
+      jax.block_until_ready(one_pass())
+      times[key].append(clock() - start)
+  return times
+
+
+def relative_medians(times: Mapping[Hashable, Sequence[float]], base: Hashable
+                     ) -> Dict[Hashable, float]:
+  """For each key, the median over rounds of its time over `base`'s time in the same round."""
+  base_times = np.asarray(times[base])
+  return {key: float(np.median(np.asarray(t) / base_times)) for key, t in times.items()}
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -115,20 +144,13 @@ def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: 
   for gamma, predict in predicts.items():
     outputs = jax.block_until_ready([predict(batch) for batch in batches])
     counts[gamma] = tuple(sum(_counts(aux['stats'])[i] for _, aux in outputs) for i in (0, 1))
-  gammas = list(predicts)
-  times = np.zeros((repeats, len(gammas)))  # ms per batch, [round, candidate]
-  for r in range(repeats):
-    for i, gamma in enumerate(gammas):
-      start = clock()
-      jax.block_until_ready([predicts[gamma](batch) for batch in batches])
-      times[r, i] = 1e3 * (clock() - start) / len(batches)
-  # The machine's speed drifts between rounds: compare candidates within each round (time over
-  # the target alone's time in that round), then take medians.
-  relative = np.median(times / times[:, [gammas.index(0)]], axis=0)
-  baseline_ms = float(np.median(times[:, gammas.index(0)]))
+  times = round_robin({g: (lambda p=p: [p(batch) for batch in batches])
+                       for g, p in predicts.items()}, repeats, clock)
+  relative = relative_medians(times, 0)
+  baseline_ms = 1e3 * float(np.median(times[0])) / len(batches)
   speculative = [g for g in predicts if g > 0]
   return GammaTuner(
-      batch_ms={g: baseline_ms * float(relative[i]) for i, g in enumerate(gammas)},
+      batch_ms={g: baseline_ms * relative[g] for g in predicts},
       calibration_alpha={g: counts[g][0] / max(sum(counts[g]), 1) for g in speculative},
       accepted=sum(counts[g][0] for g in speculative),
       rejected=sum(counts[g][1] for g in speculative))
@@ -183,3 +205,72 @@ def decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any]
     out[gamma] = copy.copy(model)
     out[gamma].decode_kwargs = {**model.decode_kwargs, 'gamma': gamma}
   return out
+
+
+class DecodingPolicy:
+  """Which decoder each batch of a job runs: the job's one fixed decoder, or gamma='auto'.
+
+  `choices` are the keys of the job's compiled decoders (`plan` makes them): `(None,)` for a
+  fixed decoder, gammas for gamma='auto' (0 = the target alone). The job calls `calibrate` once
+  on its first batches (a no-op for a single choice), then `choose` before and `observe` after
+  every batch. Every process of a multi-host job gets process 0's choice, since all of them
+  must run the same program.
+  """
+
+  def __init__(self, choices: Sequence[Optional[int]]):
+    if not choices:
+      raise ValueError('DecodingPolicy needs at least one choice.')
+    self.choices = tuple(choices)
+    self.tuner: Optional[GammaTuner] = None
+    self.calibration_seconds = 0.0
+
+  @property
+  def measured(self) -> bool:
+    """Whether batches choose between several decoders (after `calibrate`)."""
+    return len(self.choices) > 1
+
+  def calibrate(self, run: Callable[[Optional[int], Any], Any], batches: Sequence[Any],
+                clock: Callable[[], float] = time.perf_counter) -> None:
+    """Times every choice on `batches` (run(choice, batch) decodes one; compile first)."""
+    if not self.measured:
+      return
+    start = clock()
+    self.tuner = calibrate({g: (lambda batch, g=g: run(g, batch)) for g in self.choices},
+                           batches, clock=clock)
+    self.calibration_seconds = clock() - start
+
+  def choose(self) -> Optional[int]:
+    """The choice for the next batch."""
+    if self.tuner is None:
+      return self.choices[0]
+    choice = self.tuner.choose()
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      choice = int(multihost_utils.broadcast_one_to_all(np.int32(choice)))
+    return choice
+
+  def observe(self, stats: Mapping[str, Any]) -> None:
+    """Adds one decoded batch's per-row `DecodeStats` fields (this process's rows)."""
+    if self.tuner is not None:
+      self.tuner.observe(stats)
+
+  def summary(self) -> Dict[str, Any]:
+    """The calibration's figures and the current choice ({} for a single choice)."""
+    return self.tuner.summary() if self.tuner is not None else {}
+
+
+def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any], num_batches: int,
+         max_gamma: int = MAX_GAMMA, min_batches: int = MIN_BATCHES
+         ) -> Tuple[DecodingPolicy, Dict[Optional[int], models.EncoderDecoderModel]]:
+  """The policy of a job of `num_batches` batches and its decoders, {choice: model}.
+
+  decode_kwargs: the effective arguments of model.decode_fn (gin-bound and the model's). A
+  gamma='auto' model gets gammas 0..max_gamma when the job has at least min_batches batches,
+  else FALLBACK_GAMMA alone (a job that short cannot pay for the calibration); any other model
+  is its own single choice, None.
+  """
+  if not wants_auto(model, decode_kwargs):
+    return DecodingPolicy((None,)), {None: model}
+  gammas = candidates(num_batches, max_gamma, min_batches)
+  decoders_ = decoders(model, decode_kwargs, max(max(gammas), 1))
+  return DecodingPolicy(gammas), {g: decoders_[g] for g in gammas}

@@ -1,0 +1,228 @@
+"""Strings in, strings out: a target/draft pair loaded once, compiled per shape, decoded by policy.
+
+  from speculative_t5x import pipeline
+  pipe = pipeline.Pipeline(pipeline.load_pair())           # the embedded Multi30k De->En pair
+  result = pipe.decode(['Ein Hund rennt durch den Schnee.'])  # greedy speculative, gamma='auto'
+  result.texts, result.stats['accepted'], result.schedule
+
+`load_pair` reads the embedded pair by default, or any checkpoints `checkpoints.load_checkpoint`
+reads (T5X msgpack/zarr or Orbax, Hugging Face folders, the project's weight files) with their
+`network.T5Config`s and vocabulary. `Predictor` holds one compiled executable per (decoder choice,
+encoder width); the infer job, the translate command and the benchmarks all decode through it,
+with a `policy.DecodingPolicy` choosing the decoder of every batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+import numpy as np
+
+from speculative_t5x import beam_search
+from speculative_t5x import checkpoints
+from speculative_t5x import data
+from speculative_t5x import decoding
+from speculative_t5x import gin_utils
+from speculative_t5x import models
+from speculative_t5x import network
+from speculative_t5x import partitioning
+from speculative_t5x import policy
+
+PathLike = Union[str, os.PathLike]
+PRETRAINED = gin_utils.PACKAGE_DIR / 'pretrained'
+EMBEDDED_TARGET = PRETRAINED / 'multi30k_de_en_target.msgpack'
+EMBEDDED_DRAFT = PRETRAINED / 'multi30k_de_en_draft.msgpack'
+
+# The decoders a Pipeline offers by name, with the arguments each gets unless given: greedy.
+# The target alone samples without T5X's topk=1 default, as speculative_sample does, so that
+# a temperature means the same distribution for both.
+DECODERS: Dict[str, Tuple[Callable, Dict[str, Any]]] = {
+    'speculative': (decoding.speculative_sample, {'temperature': 0.0, 'gamma': policy.AUTO}),
+    'target': (decoding.temperature_sample, {'temperature': 0.0, 'topk': 0}),
+    'bild': (decoding.bild_decode, {'temperature': 0.0}),
+    'beam': (beam_search.beam_search, {}),
+    'speculative_beam': (beam_search.speculative_beam_search, {}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """A target and a draft with their vocabulary; params are prepared for decoding: {'target',
+  'draft', 'decode'} (`EncoderDecoderModel.with_decode_variables`)."""
+  target_config: network.T5Config
+  draft_config: network.T5Config
+  params: Dict[str, Any]
+  vocabulary: data.SentencePieceVocabulary
+
+  @property
+  def configs(self) -> Dict[str, network.T5Config]:
+    return {'target': self.target_config, 'draft': self.draft_config}
+
+  def model(self, decode_fn: Callable = decoding.speculative_sample,
+            decode_kwargs: Optional[Mapping[str, Any]] = None) -> models.EncoderDecoderModel:
+    """The pair as a model decoding with `decode_fn(**decode_kwargs)`."""
+    return models.EncoderDecoderModel(
+        self.target_config, self.draft_config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
+        input_vocabulary=self.vocabulary, output_vocabulary=self.vocabulary,
+        draft_output_vocabulary=self.vocabulary)
+
+
+def load_model(path: PathLike, config: Optional[network.T5Config] = None,
+               dtype: Optional[Any] = None) -> Tuple[network.T5Config, Any]:
+  """(config, params) of one model: a weights file or training run with its own config (float32
+  params), or any checkpoint `checkpoints.load_checkpoint` reads for the given config."""
+  if config is None:
+    config, params = checkpoints.load_model(path)
+    return config, (params if dtype is None else jax.tree.map(lambda x: x.astype(dtype), params))
+  return config, checkpoints.load_checkpoint(gin_utils.resolve_path(path), config, dtype)
+
+
+def load_pair(target: PathLike = EMBEDDED_TARGET, draft: PathLike = EMBEDDED_DRAFT, *,
+              target_config: Optional[network.T5Config] = None,
+              draft_config: Optional[network.T5Config] = None,
+              vocabulary: PathLike = data.VOCAB_PATH, dtype: Optional[Any] = None) -> Pair:
+  """Loads a target/draft pair (default: the embedded one) and prepares it for decoding once.
+
+  Configs are needed for T5X and Hugging Face checkpoints and read from the project's weight
+  files. Raises FileNotFoundError or a one-line ValueError for a checkpoint that is missing or
+  does not match its config.
+  """
+  target_config, target_params = load_model(target, target_config, dtype)
+  draft_config, draft_params = load_model(draft, draft_config, dtype)
+  params = {'target': target_params, 'draft': draft_params}
+  # Decode-time weight layouts once, not once per batch.
+  params = jax.jit(models.EncoderDecoderModel(
+      target_config, draft_config).with_decode_variables)(params)
+  return Pair(target_config, draft_config, params,
+              data.SentencePieceVocabulary(str(vocabulary)))
+
+
+class Predictor:
+  """One compiled `predict_batch_with_aux` per (decoder choice, encoder width), compiled when a
+  batch first needs it; `compile_seconds` keeps compilation apart from decoding.
+
+  decoders: {choice: model} (`policy.plan`); params sharded for `partitioner`'s mesh.
+  Call: predictor(choice, batch, rng) -> (decodes [batch, length], aux).
+  """
+
+  def __init__(self, decoders: Mapping[Any, models.EncoderDecoderModel], params: Any,
+               partitioner: partitioning.Partitioner, num_decodes: int = 1):
+    self.params = params
+    self._functions = {choice: partitioner.partition_predict(model, params,
+                                                             num_decodes=num_decodes)
+                       for choice, model in decoders.items()}
+    self._compiled: Dict[Tuple[Any, int], Any] = {}
+    self.compile_seconds = 0.0
+
+  @property
+  def choices(self) -> Tuple[Any, ...]:
+    return tuple(self._functions)
+
+  def compile(self, choice: Any, batch: Mapping[str, Any], rng: jax.Array) -> Any:
+    key = (choice, batch['encoder_input_tokens'].shape[1])
+    if key not in self._compiled:
+      start = time.time()
+      self._compiled[key] = self._functions[choice].lower(self.params, batch, rng).compile()
+      self.compile_seconds += time.time() - start
+    return self._compiled[key]
+
+  def __call__(self, choice: Any, batch: Mapping[str, Any], rng: jax.Array) -> Any:
+    return self.compile(choice, batch, rng)(self.params, batch, rng)
+
+
+@dataclasses.dataclass
+class Decoded:
+  """What `Pipeline.decode` returns. tokens: [n, max_output_length] (0 after EOS); stats: the
+  decoder's per-row `decoding.DecodeStats` fields, [n] each (empty for plain decoders);
+  schedule: {batch size: {choice: batches}} (choice: gamma under gamma='auto', else None);
+  calibration: the policy's figures (`DecodingPolicy.summary`), {} without one."""
+  texts: List[str]
+  tokens: np.ndarray
+  scores: np.ndarray
+  stats: Dict[str, np.ndarray]
+  schedule: Dict[int, Dict[Any, int]]
+  calibration: Dict[str, Any]
+
+
+class Pipeline:
+  """Decodes lists of strings with a pair: batches of at most `batch_size` rows, inputs cut to
+  max_input_length tokens and padded to the longest rounded up to input_length_step (0: to
+  max_input_length), outputs of at most max_output_length tokens. Compiled decoders and
+  calibrated policies are kept for later calls with the same decoder and arguments."""
+
+  def __init__(self, pair: Pair, *, batch_size: int = 8, max_input_length: int = 64,
+               max_output_length: int = 64, input_length_step: int = 16,
+               partitioner: Optional[partitioning.Partitioner] = None):
+    if batch_size < 1:
+      raise ValueError(f'batch_size must be at least 1, got {batch_size}.')
+    self.pair = pair
+    self.batch_size = batch_size
+    self.max_input_length = max_input_length
+    self.max_output_length = max_output_length
+    self.input_length_step = input_length_step
+    self.partitioner = partitioner or partitioning.Partitioner()
+    model = pair.model()
+    self.params = partitioning.shard_params(
+        pair.params, self.partitioner.pair_shardings(model, pair.params))
+    self._prepared: Dict[Any, Tuple[policy.DecodingPolicy, Predictor]] = {}
+
+  def batches(self, texts: Sequence[str]) -> List[Dict[str, Any]]:
+    """The texts as padded batches of min(batch_size, len(texts)) rows (the last padded)."""
+    ids = [self.pair.vocabulary.encode(t)[:self.max_input_length - 1] +
+           [self.pair.vocabulary.eos_id] for t in texts]
+    rows = min(self.batch_size, len(ids))
+    return [partitioning.shard_batch(data.pad_batch(
+        ids[i:i + rows], None, self.max_input_length, self.max_output_length, rows,
+        self.input_length_step), self.partitioner.mesh) for i in range(0, len(ids), rows)]
+
+  def prepare(self, decoder: str, decode_kwargs: Mapping[str, Any], num_batches: int
+              ) -> Tuple[policy.DecodingPolicy, Predictor]:
+    """The policy and predictor of `decoder` with these arguments (made once, then reused)."""
+    if decoder not in DECODERS:
+      raise ValueError(f'unknown decoder {decoder!r}; one of {", ".join(DECODERS)}')
+    decode_fn, defaults = DECODERS[decoder]
+    kwargs = {**defaults, **decode_kwargs}
+    model = self.pair.model(decode_fn, kwargs)
+    decoding_policy, decoders = policy.plan(model, kwargs, num_batches)
+    key = (decoder, tuple(sorted(kwargs.items())), decoding_policy.choices)
+    if key not in self._prepared:
+      self._prepared[key] = decoding_policy, Predictor(decoders, self.params, self.partitioner)
+    return self._prepared[key]
+
+  def decode(self, texts: Sequence[str], decoder: str = 'speculative', *, seed: int = 0,
+             **decode_kwargs: Any) -> Decoded:
+    """Decodes `texts` with a `DECODERS` name and its arguments (e.g. gamma, temperature)."""
+    if not texts:
+      raise ValueError('decode needs at least one text.')
+    batches = self.batches(texts)
+    decoding_policy, predictor = self.prepare(decoder, decode_kwargs, len(batches))
+    rng = jax.random.PRNGKey(seed)
+    run = lambda choice, batch: predictor(choice, batch, rng)
+    if decoding_policy.measured and decoding_policy.tuner is None:
+      for choice in predictor.choices:
+        predictor.compile(choice, batches[0], rng)
+      count = policy.calibration_batches(len(batches[0]['encoder_input_tokens']), len(batches))
+      decoding_policy.calibrate(run, batches[:count])
+    outputs, schedule = [], collections.Counter()
+    for b, batch in enumerate(batches):
+      choice = decoding_policy.choose()
+      decodes, aux = jax.tree.map(np.asarray, run(choice, batch))
+      decoding_policy.observe(aux.get('stats', {}))
+      outputs.append((decodes, aux))
+      schedule[choice] += 1
+    return self._collect(outputs, len(texts), schedule, decoding_policy)
+
+  def _collect(self, outputs: Sequence[Tuple[np.ndarray, Dict[str, Any]]], n: int,
+               schedule: Mapping[Any, int], decoding_policy: policy.DecodingPolicy) -> Decoded:
+    tokens = np.concatenate([d for d, _ in outputs])[:n]
+    stats = {k: np.concatenate([a['stats'][k] for _, a in outputs])[:n]
+             for k in outputs[0][1].get('stats', {})}
+    rows = len(outputs[0][0])
+    return Decoded(texts=[self.pair.vocabulary.decode(row) for row in tokens], tokens=tokens,
+                   scores=np.concatenate([a['scores'] for _, a in outputs])[:n], stats=stats,
+                   schedule={rows: dict(schedule)}, calibration=decoding_policy.summary())
