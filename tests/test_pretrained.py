@@ -14,7 +14,7 @@ from speculative_t5x import beam_search
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import models
-from speculative_t5x import train
+from speculative_t5x import pipeline
 
 PRETRAINED = Path(data.__file__).resolve().parent / 'pretrained'
 LENGTH = 32  # input and output tokens
@@ -38,11 +38,15 @@ def sentences():
 
 
 @pytest.fixture(scope='module')
-def pair():
-  """(target_config, draft_config, {'target': params, 'draft': params}) in float32."""
-  target_config, target_params, _ = train.load_weights(PRETRAINED / 'multi30k_de_en_target.msgpack')
-  draft_config, draft_params, _ = train.load_weights(PRETRAINED / 'multi30k_de_en_draft.msgpack')
-  return target_config, draft_config, {'target': target_params, 'draft': draft_params}
+def loaded():
+  """The embedded pair as `pipeline.load_pair` loads it: float32, decode variables prepared."""
+  return pipeline.load_pair()
+
+
+@pytest.fixture(scope='module')
+def pair(loaded):
+  """(target_config, draft_config, {'target', 'draft', 'decode'})."""
+  return loaded.target_config, loaded.draft_config, loaded.params
 
 
 def _batch(sentences):
@@ -71,6 +75,25 @@ def test_speculative_greedy_equals_target_greedy(pair, sentences, target_greedy)
   assert ((target_greedy > 1).any(axis=1)).all()
   assert ((target_greedy == data.EOS_ID).any(axis=1)).all()
   assert all(text.strip() for text in data.decode(target_greedy))
+
+
+def test_pipeline_decodes_strings_to_the_target_greedy_texts(loaded, sentences, target_greedy):
+  """The string-level entry: texts in, the target's greedy translations out, for the
+  speculative decoder (fixed and automatic gamma) and the target alone."""
+  pipe = pipeline.Pipeline(loaded, batch_size=4, max_input_length=LENGTH,
+                           max_output_length=LENGTH)
+  want = data.decode(target_greedy)
+  speculative = pipe.decode(sentences, 'speculative', gamma=2)
+  np.testing.assert_array_equal(speculative.tokens, target_greedy)
+  assert speculative.texts == want and all(want)
+  assert speculative.schedule == {4: {None: 2}}  # 6 sentences: 2 batches of 4 rows
+  assert speculative.stats['target_calls'].shape == (6,)
+  assert (speculative.stats['accepted'] > 0).any()
+  auto = pipe.decode(sentences)  # gamma='auto': too few batches to calibrate, the fallback
+  assert auto.texts == want and auto.schedule == {4: {1: 2}} and auto.calibration == {}
+  assert pipe.decode(sentences, 'target').texts == want
+  with pytest.raises(ValueError, match='unknown decoder'):
+    pipe.decode(sentences, 'nonsense')
 
 
 def test_rounded_encoder_width_keeps_the_outputs(pair, sentences, target_greedy):

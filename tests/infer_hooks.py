@@ -1,0 +1,15 @@
+"""A chunk hook for the kill-and-resume test: the job kills itself right after the chunk named
+by $KILL_AFTER_CHUNK is committed, so the test knows exactly what is on disk (no race with a
+watcher). An environment variable, not a gin parameter: the killed and the resumed run must
+have the same config, or the resumed run would refuse the killed run's chunks."""
+
+import os
+import signal
+
+import gin
+
+
+@gin.configurable
+def kill_after_chunk(chunk: int) -> None:
+  if str(chunk) == os.environ.get('KILL_AFTER_CHUNK'):
+    os.kill(os.getpid(), signal.SIGKILL)
