@@ -4,11 +4,19 @@ setuptools.setup(
     name='speculative_t5x',
     version='0.1.0',
     description='Exact speculative decoding and the Big Little Decoder for T5 in JAX/Flax, T5X-native.',
-    packages=setuptools.find_packages(include=['speculative_t5x', 'speculative_t5x.*']),
+    # The gin configs live beside the package (gin_configs/, as in T5X) and ship inside it as
+    # speculative_t5x/gin_configs: the wheel's commands find them there from any directory, and
+    # T5X's gin reads 'speculative_t5x/gin_configs/t5x/...' through the Python path (both in an
+    # installed wheel and in an editable install, whose import hook follows package_dir).
+    packages=(setuptools.find_packages(include=['speculative_t5x', 'speculative_t5x.*']) +
+              ['speculative_t5x.gin_configs'] +
+              [f'speculative_t5x.gin_configs.{name}'
+               for name in setuptools.find_packages('gin_configs')]),
+    package_dir={'speculative_t5x.gin_configs': 'gin_configs'},
     # The embedded model pair, its vocabulary, the gin configs and the caption sample: the
     # commands the README prints need them from an installed wheel too (tests/test_packaging.py).
-    package_data={'speculative_t5x': ['pretrained/*.msgpack', 'vocab/*.model',
-                                      'gin_configs/**/*.gin', 'samples/*.txt']},
+    package_data={'speculative_t5x': ['pretrained/*.msgpack', 'vocab/*.model', 'samples/*.txt'],
+                  'speculative_t5x.gin_configs': ['**/*.gin']},
     entry_points={'console_scripts': [
         'speculative-t5x-translate = speculative_t5x.translate:main',
         'speculative-t5x-infer = speculative_t5x.infer:run',

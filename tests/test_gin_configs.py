@@ -6,11 +6,12 @@ import gin
 import pytest
 
 from speculative_t5x import decoding
+from speculative_t5x import gin_utils
 from speculative_t5x import infer  # registers the configurables
 from speculative_t5x import network
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = REPO / 'speculative_t5x' / 'gin_configs'
+CONFIGS = REPO / 'gin_configs'
 
 # T5X's t5x/examples/t5/{t5_1_1,mt5}/*.gin: emb_dim, num_heads, encoder/decoder layers,
 # head_dim, mlp_dim.
@@ -23,8 +24,7 @@ T5X_SIZES = {
 @pytest.fixture(autouse=True)
 def clean_gin():
   gin.clear_config()
-  gin.add_config_file_search_path(str(REPO))
-  gin.add_config_file_search_path(str(REPO / 'speculative_t5x'))  # 'gin_configs/...' includes
+  gin.add_config_file_search_path(str(REPO))  # 'gin_configs/...' includes
   yield
   gin.clear_config()
 
@@ -90,15 +90,20 @@ def test_decoding_configs_bind_the_decoder(name, fn, expect):
 @pytest.mark.parametrize('run,source', [
     ('infer_multi30k', ('INPUT_FILE', 'speculative_t5x/samples/captions_de.txt')),
     ('infer_multi30k_test', ('MIXTURE_OR_TASK_NAME', 'multi30k_de_en'))])
-def test_infer_run_config_builds_the_multi30k_model(run, source):
-  gin.parse_config_files_and_bindings(
-      [str(CONFIGS / 'runs' / f'{run}.gin'), str(CONFIGS / 'decoding' / 'speculative_greedy.gin')],
+def test_infer_run_config_builds_the_multi30k_model(run, source, tmp_path, monkeypatch):
+  # As the job parses them: the names on its command line, from outside the repository.
+  monkeypatch.chdir(tmp_path)
+  gin_utils.parse_gin_flags(
+      [f'gin_configs/runs/{run}.gin', 'gin_configs/decoding/speculative_greedy.gin'],
       ["INFER_OUTPUT_DIR = '/tmp/unused'"])
   other = 'MIXTURE_OR_TASK_NAME' if source[0] == 'INPUT_FILE' else 'INPUT_FILE'
   for macro, value in (source, (other, None),
                        ('TASK_FEATURE_LENGTHS', {'inputs': 64, 'targets': 64})):
     assert gin.query_parameter(f'{macro}/macro.value') == value
-  assert 'TARGET_CHECKPOINT_PATH' in gin.config_str()
+  for role in ('target', 'draft'):  # the embedded weights, found from here as the job finds them
+    path = gin.query_parameter(f'{role.upper()}_CHECKPOINT_PATH/macro.value')
+    assert path == f'speculative_t5x/pretrained/multi30k_de_en_{role}.msgpack'
+    assert gin_utils.resolve_path(path).is_file(), path
   model = gin.query_parameter('infer_script.infer.model').scoped_configurable_fn()
   assert model.target_config.num_decoder_layers == 6 and model.draft_config.num_decoder_layers == 1
   assert model.uses_draft and model.eos_id == 1

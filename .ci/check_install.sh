@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A newcomer's install, checked: build the wheel, install it (not editable) into a fresh venv,
 # and run the README's main command and inference job from a folder outside the repository.
-#   bash scripts/check_install.sh            (about 3 minutes with a warm pip cache)
+#   bash .ci/check_install.sh                (about 3 minutes with a warm pip cache)
 # Exits non-zero at the first command that fails or prints something unexpected.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -11,10 +11,28 @@ python3 -m venv "$work/venv"
 source "$work/venv/bin/activate"
 python -m pip install -q --upgrade pip
 echo "== build the wheel"
-pip wheel -q --no-deps -w "$work/dist" "$repo"
+# From a copy of the sources, as a fresh clone would build: pip builds a folder in place and
+# setuptools packs whatever the repository's build/lib already holds, stale files included.
+mkdir "$work/src"
+tar -C "$repo" --exclude=./.git --exclude=./build --exclude=./dist --exclude='./*venv' \
+  --exclude=./runs --exclude=./out --exclude='*.egg-info' --exclude=__pycache__ -cf - . |
+  tar -C "$work/src" -xf -
+pip wheel -q --no-deps -w "$work/dist" "$work/src"
 echo "== pip install speculative_t5x-*.whl (base install, no extras)"
 pip install -q "$work"/dist/speculative_t5x-*.whl
 cd "$work"  # outside the repository: packaged files only
+
+echo "== the gin configs ship inside the package: by name for the jobs, by package for T5X's gin"
+python - <<'EOF'
+import importlib.util
+from gin import resource_reader
+from speculative_t5x import gin_utils
+configs = gin_utils.GIN_CONFIGS_DIR
+assert configs == gin_utils.PACKAGE_DIR / 'gin_configs', configs
+assert gin_utils.resolve_path('gin_configs/runs/infer.gin') == configs / 'runs' / 'infer.gin'
+assert resource_reader.system_path_file_exists('speculative_t5x/gin_configs/t5x/multi30k_pair.gin')
+assert importlib.util.find_spec('gin_configs') is None, 'a top-level gin_configs was installed'
+EOF
 
 echo "== speculative-t5x-translate (no arguments: the bundled caption sample)"
 speculative-t5x-translate < /dev/null | tee translate.out
