@@ -37,7 +37,10 @@ PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
 
+# The embedded pair's files, shipped in the package.
 VOCAB_PATH = Path(__file__).resolve().parent / 'vocab' / 'multi30k_8k.model'
+EMBEDDED_TARGET = Path(__file__).resolve().parent / 'pretrained' / 'multi30k_de_en_target.msgpack'
+EMBEDDED_DRAFT = Path(__file__).resolve().parent / 'pretrained' / 'multi30k_de_en_draft.msgpack'
 DATA_ENV_VAR = 'SPECULATIVE_T5X_DATA'
 
 # Split name -> file stem in multi30k/. seqio/TFDS call the dev split 'validation'.

@@ -34,9 +34,8 @@ from speculative_t5x import partitioning
 from speculative_t5x import policy
 
 PathLike = Union[str, os.PathLike]
-PRETRAINED = gin_utils.PACKAGE_DIR / 'pretrained'
-EMBEDDED_TARGET = PRETRAINED / 'multi30k_de_en_target.msgpack'
-EMBEDDED_DRAFT = PRETRAINED / 'multi30k_de_en_draft.msgpack'
+EMBEDDED_TARGET = data.EMBEDDED_TARGET
+EMBEDDED_DRAFT = data.EMBEDDED_DRAFT
 
 # The decoders a Pipeline offers by name, with the arguments each gets unless given: greedy.
 # The target alone samples without T5X's topk=1 default, as speculative_sample does, so that

@@ -17,8 +17,8 @@ Recipe (the embedded Multi30k De->En pair; every file below ships in the package
      `checkpoints.load_checkpoint` reads.)
 
   2. T5X's CLI with T5X's own infer.gin and the files in `gin_configs/t5x/`, from any directory
-     (gin finds `speculative_t5x/gin_configs/t5x/*.gin` through the Python path, installed or
-     on PYTHONPATH):
+     (gin finds `speculative_t5x/gin_configs/t5x/*.gin` through the Python path: installed, or
+     `pip install -e .` from a clone):
 
        python -m t5x.infer \
          --gin_file=t5x/configs/runs/infer.gin \
@@ -60,6 +60,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import flax
 
+from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import models
@@ -67,8 +68,8 @@ from speculative_t5x import models
 T5X_AVAILABLE = importlib.util.find_spec('t5x') is not None
 
 # The embedded pair's weights, as shipped.
-EMBEDDED_TARGET = gin_utils.PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_target.msgpack'
-EMBEDDED_DRAFT = gin_utils.PACKAGE_DIR / 'pretrained' / 'multi30k_de_en_draft.msgpack'
+EMBEDDED_TARGET = data.EMBEDDED_TARGET
+EMBEDDED_DRAFT = data.EMBEDDED_DRAFT
 
 
 def packaged_file(path: str) -> str:
@@ -101,10 +102,81 @@ def write_pair_checkpoint(output_dir: Union[str, Path],
   return checkpoints.save_t5x_legacy_checkpoint(output_dir, params, step=step)
 
 
-def _build_class():
+class _SpeculativeMethods:
+  """What `SpeculativeEncoderDecoderModel` changes in T5X's `EncoderDecoderModel` (its mixin,
+  first in the method order, so `super()` reaches T5X's class; defined without T5X)."""
+
+  def __init__(self, module, draft_module, input_vocabulary, output_vocabulary,
+               optimizer_def=None, decode_fn: Callable = decoding.speculative_sample,
+               decode_kwargs: Optional[Mapping[str, Any]] = None,
+               default_decoder_params: Optional[Any] = None, **kwargs):
+    # Kept here as well as by T5X's constructor, which stores it privately.
+    self._spec_default_decoder_params = (default_decoder_params or
+                                         self._decoder_params_type())
+    super().__init__(module=module, input_vocabulary=input_vocabulary,
+                     output_vocabulary=output_vocabulary, optimizer_def=optimizer_def,
+                     decode_fn=decode_fn,
+                     default_decoder_params=self._spec_default_decoder_params, **kwargs)
+    self.draft_module = draft_module
+    self._pair = models.EncoderDecoderModel(
+        module.config, draft_module.config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
+        input_vocabulary=input_vocabulary, output_vocabulary=output_vocabulary)
+
+  def get_initial_variables(self, rng, input_shapes, input_types=None):
+    # T5X's version passes keyword arguments (positions, decode=...) that this network's
+    # __call__ does not take; the pair model initialises both networks.
+    del input_types
+    return flax.core.freeze(self._pair.get_initial_variables(rng, input_shapes))
+
+  def _compute_logits(self, params, batch, dropout_rng=None, mutable=False,
+                      other_variables=None):
+    """Target logits [batch, dec_length, vocab]; with `mutable`, (logits, mutated variables).
+
+    T5X's `score_batch(return_intermediates=True)` calls this with
+    mutable=['intermediates'] and reads the sown values from the second element.
+    """
+    rngs = {'dropout': dropout_rng} if dropout_rng is not None else None
+    return self.module.apply(
+        {'params': params['target'], **(other_variables or {})},
+        batch['encoder_input_tokens'], batch['decoder_input_tokens'],
+        batch['decoder_target_tokens'],
+        encoder_segment_ids=batch.get('encoder_segment_ids'),
+        decoder_segment_ids=batch.get('decoder_segment_ids'),
+        enable_dropout=rngs is not None, rngs=rngs, mutable=mutable)
+
+  def predict_batch_with_aux(self, params, batch, rng=None, decoder_params=None,
+                             return_all_decodes: Optional[bool] = None,
+                             num_decodes: Optional[int] = None,
+                             prompt_with_targets: bool = False) -> Tuple[Any, Mapping]:
+    """T5X's contract: decodes [batch, length] (or [batch, num_decodes, length], sorted best
+    last, with return_all_decodes) and aux {'scores', 'stats'}.
+
+    return_all_decodes / num_decodes default to `default_decoder_params`'s. The decode RNG
+    comes from `rng` or `decoder_params['decode_rng']`, not both (as T5X).
+    """
+    defaults = self._spec_default_decoder_params
+    if return_all_decodes is None:
+      return_all_decodes = defaults.return_all_decodes
+    if num_decodes is None:
+      num_decodes = defaults.num_decodes
+    decoder_params = dict(decoder_params or {})
+    if decoder_params.get('decode_rng') is not None:
+      if rng is not None:
+        raise ValueError('Got a decode RNG both as `rng` and as '
+                         "`decoder_params['decode_rng']`; give one.")
+      rng = decoder_params['decode_rng']
+    # The pair model sets decode_rng itself (from `rng`); a second one would clash.
+    decoder_params.pop('decode_rng', None)
+    return self._pair.predict_batch_with_aux(
+        params, batch, rng, decoder_params=decoder_params,
+        return_all_decodes=bool(return_all_decodes), num_decodes=int(num_decodes),
+        prompt_with_targets=prompt_with_targets)
+
+
+def _build_class() -> type:
   from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
 
-  class SpeculativeEncoderDecoderModel(t5x_models.EncoderDecoderModel):
+  class SpeculativeEncoderDecoderModel(_SpeculativeMethods, t5x_models.EncoderDecoderModel):
     """T5X model over a target `network.Transformer` and a draft one (params target/draft).
 
     module / draft_module: the two `network.Transformer`s (same vocabulary and EOS).
@@ -114,72 +186,7 @@ def _build_class():
     default_decoder_params: as T5X's: `return_all_decodes` / `num_decodes` used when
       `predict_batch_with_aux` is not given them.
     """
-
-    def __init__(self, module, draft_module, input_vocabulary, output_vocabulary,
-                 optimizer_def=None, decode_fn: Callable = decoding.speculative_sample,
-                 decode_kwargs: Optional[Mapping[str, Any]] = None,
-                 default_decoder_params: Optional[Any] = None, **kwargs):
-      # Kept here as well as by T5X's constructor, which stores it privately.
-      self._spec_default_decoder_params = (default_decoder_params or
-                                           t5x_models.DecoderParams())
-      super().__init__(module=module, input_vocabulary=input_vocabulary,
-                       output_vocabulary=output_vocabulary, optimizer_def=optimizer_def,
-                       decode_fn=decode_fn,
-                       default_decoder_params=self._spec_default_decoder_params, **kwargs)
-      self.draft_module = draft_module
-      self._pair = models.EncoderDecoderModel(
-          module.config, draft_module.config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
-          input_vocabulary=input_vocabulary, output_vocabulary=output_vocabulary)
-
-    def get_initial_variables(self, rng, input_shapes, input_types=None):
-      # T5X's version passes keyword arguments (positions, decode=...) that this network's
-      # __call__ does not take; the pair model initialises both networks.
-      del input_types
-      return flax.core.freeze(self._pair.get_initial_variables(rng, input_shapes))
-
-    def _compute_logits(self, params, batch, dropout_rng=None, mutable=False,
-                        other_variables=None):
-      """Target logits [batch, dec_length, vocab]; with `mutable`, (logits, mutated variables).
-
-      T5X's `score_batch(return_intermediates=True)` calls this with
-      mutable=['intermediates'] and reads the sown values from the second element.
-      """
-      rngs = {'dropout': dropout_rng} if dropout_rng is not None else None
-      return self.module.apply(
-          {'params': params['target'], **(other_variables or {})},
-          batch['encoder_input_tokens'], batch['decoder_input_tokens'],
-          batch['decoder_target_tokens'],
-          encoder_segment_ids=batch.get('encoder_segment_ids'),
-          decoder_segment_ids=batch.get('decoder_segment_ids'),
-          enable_dropout=rngs is not None, rngs=rngs, mutable=mutable)
-
-    def predict_batch_with_aux(self, params, batch, rng=None, decoder_params=None,
-                               return_all_decodes: Optional[bool] = None,
-                               num_decodes: Optional[int] = None,
-                               prompt_with_targets: bool = False) -> Tuple[Any, Mapping]:
-      """T5X's contract: decodes [batch, length] (or [batch, num_decodes, length], sorted best
-      last, with return_all_decodes) and aux {'scores', 'stats'}.
-
-      return_all_decodes / num_decodes default to `default_decoder_params`'s. The decode RNG
-      comes from `rng` or `decoder_params['decode_rng']`, not both (as T5X).
-      """
-      defaults = self._spec_default_decoder_params
-      if return_all_decodes is None:
-        return_all_decodes = defaults.return_all_decodes
-      if num_decodes is None:
-        num_decodes = defaults.num_decodes
-      decoder_params = dict(decoder_params or {})
-      if decoder_params.get('decode_rng') is not None:
-        if rng is not None:
-          raise ValueError('Got a decode RNG both as `rng` and as '
-                           "`decoder_params['decode_rng']`; give one.")
-        rng = decoder_params['decode_rng']
-      # The pair model sets decode_rng itself (from `rng`); a second one would clash.
-      decoder_params.pop('decode_rng', None)
-      return self._pair.predict_batch_with_aux(
-          params, batch, rng, decoder_params=decoder_params,
-          return_all_decodes=bool(return_all_decodes), num_decodes=int(num_decodes),
-          prompt_with_targets=prompt_with_targets)
+    _decoder_params_type = t5x_models.DecoderParams
 
   SpeculativeEncoderDecoderModel.__qualname__ = 'SpeculativeEncoderDecoderModel'
   return SpeculativeEncoderDecoderModel

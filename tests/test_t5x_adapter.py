@@ -29,7 +29,7 @@ from conftest import random_model
 from conftest import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = REPO / 'speculative_t5x' / 'gin_configs'
+CONFIGS = REPO / 'gin_configs'
 T5X_CONFIGS = CONFIGS / 't5x'
 NEEDS_T5X = pytest.mark.skipif(
     not t5x_adapter.T5X_AVAILABLE,
@@ -95,7 +95,9 @@ def clean_gin(monkeypatch):
   # Where T5X is absent the gin files find the stub-based class under the real name.
   monkeypatch.setattr(t5x_adapter, 'SpeculativeEncoderDecoderModel', ADAPTER, raising=False)
   gin.clear_config()
-  gin.add_config_file_search_path(str(REPO))  # includes name 'speculative_t5x/gin_configs/...'
+  # Includes name 'speculative_t5x/gin_configs/...': found through the Python path (the
+  # editable install maps that package to the top-level gin_configs/); REPO is a fallback.
+  gin.add_config_file_search_path(str(REPO))
   yield
   gin.clear_config()
 
