@@ -113,10 +113,13 @@ def _check_job(task_feature_lengths: Any, task: Optional[str], input_file: Optio
     raise InferError('set exactly one of MIXTURE_OR_TASK_NAME and INPUT_FILE')
   for key in ('inputs', 'targets'):
     if not isinstance(task_feature_lengths, Mapping) or key not in task_feature_lengths:
-      raise InferError(f"TASK_FEATURE_LENGTHS needs an '{key}' length, got "
+      raise InferError(f"TASK_FEATURE_LENGTHS needs a length for '{key}', got "
                        f'{task_feature_lengths!r}')
   if not 0 <= shard_id < num_shards:
     raise InferError(f'shard_id {shard_id} is not in [0, num_shards={num_shards})')
+  for name, value in (('batch_size', batch_size), ('checkpoint_period', checkpoint_period)):
+    if not isinstance(value, int) or value < 1:
+      raise InferError(f'infer_script.infer.{name} must be a whole number >= 1, got {value!r}')
   return Job(task or Path(input_file).name, int(task_feature_lengths['inputs']),
              int(task_feature_lengths['targets']), batch_size, checkpoint_period,
              partitioner or partitioning.Partitioner(), jax.process_index(), jax.process_count())
@@ -139,10 +142,49 @@ def _check_vocabularies(model: models.EncoderDecoderModel) -> Any:
         vocabulary, 'digest', None):
       raise InferError(f'draft and target vocabularies differ: target {vocabulary.path} vs '
                        f'draft {draft_vocab.path}')
-    if vocabulary.vocab_size > model.target_config.vocab_size:
-      raise InferError(f'the vocabulary has {vocabulary.vocab_size} ids but the target '
-                       f'vocab_size is {model.target_config.vocab_size}')
+  if vocabulary.vocab_size > model.target_config.vocab_size:
+    raise InferError(f'the vocabulary has {vocabulary.vocab_size} ids but the target '
+                     f'vocab_size is {model.target_config.vocab_size}')
   return vocabulary
+
+
+# Decoder arguments whose wrong values would decode nonsense silently or fail deep inside XLA:
+# (test, what a valid value is). Only Python values are checked (gin gives those).
+_DECODE_ARG_RULES = {
+    'temperature': (lambda v: v >= 0, 'a number >= 0 (0 = greedy)'),
+    'topk': (lambda v: float(v).is_integer() and v >= 0, 'a whole number >= 0 (0 = off)'),
+    'topp': (lambda v: 0 <= v <= 1, 'a number in [0, 1] (0 = off)'),
+    'gamma': (lambda v: v == policy.AUTO or (float(v).is_integer() and v >= 1),
+              "a whole number >= 1 or 'auto'"),
+    'lenience': (lambda v: 0 < v <= 1, 'a number in (0, 1] (1 = exact)'),
+    'fallback_threshold': (lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
+    'rollback_threshold': (lambda v: v >= 0, 'a number >= 0'),
+    'max_small_steps': (lambda v: float(v).is_integer() and v >= 1, 'a whole number >= 1'),
+    'alpha': (lambda v: v >= 0, 'a number >= 0'),
+}
+
+
+def _check_decoding(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
+                    num_decodes: int, max_gamma: int) -> None:
+  """The decoder's arguments, the beam size / samples per example and max_gamma checked."""
+  name = _decode_fn_name(model.decode_fn)
+  for key, (valid, expected) in _DECODE_ARG_RULES.items():
+    value = decode_kwargs.get(key)
+    if value is None or not isinstance(value, (int, float, str)) or isinstance(value, bool):
+      continue
+    try:
+      ok = bool(valid(value))
+    except (TypeError, ValueError):  # a string where a number belongs (NaN fails the tests)
+      ok = False
+    if not ok:
+      raise InferError(f'decoding.{name}.{key} must be {expected}, got {value!r}')
+  if not isinstance(num_decodes, int) or num_decodes < 1:
+    what = 'the beam size' if 'beam' in name else 'samples per example'
+    raise InferError(f'infer_script.infer.num_decodes ({what}) must be a whole number >= 1, '
+                     f'got {num_decodes!r}')
+  if not isinstance(max_gamma, int) or max_gamma < 1:
+    raise InferError(f'infer_script.infer.max_gamma must be a whole number >= 1, got '
+                     f'{max_gamma!r}')
 
 
 def _resolve_dtype(dtype: Optional[str]) -> Optional[jnp.dtype]:
@@ -270,6 +312,8 @@ def infer(*,
   chunks.check_writable(output_dir)
   _check_batching(job)
   vocabulary = _check_vocabularies(model)
+  decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
+  _check_decoding(model, decode_kwargs, num_decodes, max_gamma)
   store = chunks.ChunkStore(output_dir, job.name, shard_id, num_shards, job.num_processes)
   if job.process == 0:
     chunks.atomic_write(output_dir / 'config.gin', gin.config_str())
@@ -288,7 +332,6 @@ def infer(*,
   model = _with_activation_dtype(model, dtype)
   params, load_seconds = _load_pair(model, target_checkpoint_path, draft_checkpoint_path, dtype,
                                     job.partitioner)
-  decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
   compile_start = time.time()
   decoding_policy, decoders = policy.plan(model, decode_kwargs, -(-len(examples) // batch_size),
                                           max_gamma, auto_min_batches)
@@ -579,7 +622,7 @@ def main(argv: Sequence[str]) -> None:
         raise InferError(gin_utils.error_line(e)) from None
       raise
   except InferError as e:
-    gin_utils.exit_with_error(str(e))
+    gin_utils.exit_with_error(str(e).splitlines()[0])  # without gin's context lines
   except speculative_t5x.MissingExtraError as e:
     gin_utils.exit_with_error(str(e).splitlines()[0])  # without gin's context lines
   if summary:

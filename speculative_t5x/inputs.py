@@ -77,6 +77,10 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
     targets = None
     if fmt == 'tsv':
       fields = text.split('\t')
+      if len(fields) > 2:  # dropping the rest would lose data silently
+        raise InferError(f'{where}: {len(fields)} tab-separated fields; a TSV line is '
+                         'input<TAB>target (read inputs with tabs as text: input_format '
+                         "'text')")
       text, targets = fields[0], (fields[1] if len(fields) > 1 else None)
     elif fmt == 'jsonl':
       if not text.strip():

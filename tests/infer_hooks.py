@@ -13,3 +13,14 @@ import gin
 def kill_after_chunk(chunk: int) -> None:
   if str(chunk) == os.environ.get('KILL_AFTER_CHUNK'):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Stopped(Exception):
+  """Raised by `stop_after_chunk`: an in-process job stopped at a known chunk."""
+
+
+@gin.configurable
+def stop_after_chunk(chunk: int) -> None:
+  """As kill_after_chunk, for jobs run in the test's own process ($STOP_AFTER_CHUNK)."""
+  if str(chunk) == os.environ.get('STOP_AFTER_CHUNK'):
+    raise Stopped(chunk)
