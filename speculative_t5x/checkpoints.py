@@ -16,6 +16,11 @@ Formats read by `load_t5x_checkpoint` (detected from what is on disk, not from n
     `{'target': params, 'state': {'step': step}}`, so T5X-side tooling and this loader share one
     reader.
 
+`load_checkpoint` also reads the project's shipped weights files (`export_weights`: one msgpack
+file of bfloat16 params plus the config) and training runs (`config.json` + Orbax
+`checkpoints/`, read by `restore_params`), and Hugging Face T5 folders (`hf.py`). All weight I/O
+of the training and inference jobs is here.
+
 A path may name the checkpoint file, a `checkpoint_<step>` directory, an Orbax tree directory, or
 a model directory holding `checkpoint_<step>` directories (the highest step is taken). Both T5X
 layouts are tested against checkpoints written by T5X itself. Only local filesystem paths are
@@ -26,7 +31,6 @@ numpy arrays in the tree of `network.init_params`, e.g.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -43,6 +47,8 @@ import tensorstore as ts
 from etils import epath
 from flax import traverse_util
 
+from speculative_t5x import gin_utils
+from speculative_t5x import hf
 from speculative_t5x import network
 
 Params = Dict[str, Any]
@@ -99,9 +105,9 @@ def load_checkpoint(path: PathLike, config: Optional[network.T5Config] = None,
   """Reads parameters from any supported checkpoint, detecting the format from the files.
 
   Formats: everything `load_t5x_checkpoint` reads (T5X legacy, T5X Orbax, `save_params`); a
-  weights file of `train.export_weights` (msgpack with 'config' and 'params'; its stored
-  config must agree with `config`); a training run folder of `speculative_t5x.train`
-  (`config.json` + `checkpoints/`); a Hugging Face T5 folder (`config.json` + `*.safetensors`
+  weights file of `export_weights` (msgpack with 'config' and 'params'; its stored config must
+  agree with `config`); a training run folder of `speculative_t5x.train` (`config.json` +
+  `checkpoints/`); a Hugging Face T5 folder (`config.json` + `*.safetensors`
   or `pytorch_model.bin`, see `hf.py`).
 
   Raises FileNotFoundError for a missing path and a one-line ValueError for anything
@@ -112,10 +118,8 @@ def load_checkpoint(path: PathLike, config: Optional[network.T5Config] = None,
     raise FileNotFoundError(f'No such checkpoint: {path}')
   if path.is_dir() and (path / 'config.json').is_file():
     if (path / 'checkpoints').is_dir():
-      from speculative_t5x import train  # pylint: disable=g-import-not-at-top  (optax, absl)
-      run_config, params, _ = train.restore_params(path)
+      run_config, params, _ = restore_params(path)
       return _finish(_check_stored_config(params, run_config, config, path), path, config, dtype)
-    from speculative_t5x import hf  # pylint: disable=g-import-not-at-top
     if hf.is_hf_checkpoint(path):
       hf_config, params = hf.load_hf_t5(path)
       return _finish(_check_stored_config(params, hf_config, config, path), path, config, dtype)
@@ -175,34 +179,6 @@ def load_params(path: PathLike, config: Optional[network.T5Config] = None,
   if not _is_orbax_tree(path):
     raise ValueError(f'{path} is not a speculative_t5x params checkpoint (no Orbax tree there)')
   return _finish(_read_orbax_target(path), path, config, dtype)
-
-
-def validate_params(params: Params, config: network.T5Config, source: str = '') -> None:
-  """Checks that `params` has exactly the names and shapes `network.init_params(config)` makes.
-
-  Raises a one-line ValueError naming the first missing parameter, else the first unexpected
-  one, else the first mis-shaped one with both shapes ('first' in sorted path order), followed
-  by the counts of each kind of difference. `source` (a path) is appended when given.
-  """
-  expected = _expected_shapes(config)
-  actual = {'/'.join(k): tuple(np.shape(v)) for k, v in traverse_util.flatten_dict(params).items()}
-  missing = sorted(set(expected) - set(actual))
-  unexpected = sorted(set(actual) - set(expected))
-  misshaped = sorted(k for k in set(expected) & set(actual) if expected[k] != actual[k])
-  if missing:
-    problem = f"parameter '{missing[0]}' is missing from the checkpoint"
-  elif unexpected:
-    problem = f"parameter '{unexpected[0]}' is in the checkpoint but not in the config"
-  elif misshaped:
-    name = misshaped[0]
-    problem = (f"parameter '{name}' has shape {actual[name]} in the checkpoint but "
-               f'{expected[name]} in the config')
-  else:
-    return
-  counts = (f'{len(missing)} missing, {len(unexpected)} unexpected, '
-            f'{len(misshaped)} mis-shaped in all')
-  where = f' [{source}]' if source else ''
-  raise ValueError(f'checkpoint does not match T5Config: {problem} ({counts}){where}')
 
 
 def save_t5x_legacy_checkpoint(directory: PathLike, params: Params, step: int = 0,
@@ -274,6 +250,75 @@ def save_t5x_orbax_checkpoint(directory: PathLike, params: Params, step: int = 0
 
 def _orbax_tree(params: Params, step: int) -> Dict[str, Any]:
   return {'target': params, 'state': {'step': np.asarray(step, np.int32)}}
+
+
+# ------------------------------------------------------------------------------------------------
+# The project's weights files (bf16 export, fp32 load) and training runs.
+
+
+def config_to_dict(config: network.T5Config) -> Dict[str, Any]:
+  """`config`'s fields as JSON values: `network.T5Config(**config_to_dict(config)) == config`."""
+  cfg = {f.name: getattr(config, f.name) for f in config.__dataclass_fields__.values()}
+  cfg['dtype'] = str(jnp.dtype(cfg['dtype']))
+  cfg['mlp_activations'] = list(cfg['mlp_activations'])
+  return cfg
+
+
+def config_to_json(config: network.T5Config) -> str:
+  """`config` as the JSON text of a run's `config.json` and of a weights file's 'config'."""
+  return json.dumps(config_to_dict(config))
+
+
+def export_weights(params: Params, config: network.T5Config, path: PathLike,
+                   extra: Optional[Dict[str, Any]] = None) -> int:
+  """Writes params as bfloat16 plus the config in one msgpack file; returns its size in bytes.
+
+  bf16 halves the file (the repository budget is 35 MB for all weights and the vocabulary); the
+  loss of precision is ~3 significant digits, which greedy outputs tolerate.
+  """
+  payload = {
+      'config': config_to_json(config),
+      'extra': json.dumps(extra or {}),
+      'params': jax.tree_util.tree_map(lambda x: np.asarray(x, jnp.bfloat16), params),
+  }
+  raw = flax.serialization.msgpack_serialize(flax.serialization.to_state_dict(payload))
+  Path(path).parent.mkdir(parents=True, exist_ok=True)
+  Path(path).write_bytes(raw)
+  return len(raw)
+
+
+def load_weights(path: PathLike) -> Tuple[network.T5Config, Params, Dict[str, Any]]:
+  """(config, float32 params, extra metadata) from an `export_weights` file."""
+  payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+  config = network.T5Config(**json.loads(payload['config']))
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), payload['params'])
+  return config, params, json.loads(payload.get('extra', '{}'))
+
+
+def restore_params(model_dir: PathLike, config: Optional[network.T5Config] = None,
+                   step: Optional[int] = None) -> Tuple[network.T5Config, Params, int]:
+  """(config, params, step) from the latest (or `step`) Orbax checkpoint of a training run."""
+  model_dir = Path(model_dir).resolve()
+  if config is None:
+    config = network.T5Config(**json.loads((model_dir / 'config.json').read_text()))
+  with ocp.CheckpointManager(model_dir / 'checkpoints') as manager:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f'No checkpoint in {model_dir / "checkpoints"}.')
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  params = jax.tree_util.tree_map(jnp.asarray, restored['state']['params'])
+  return config, params, int(step)
+
+
+def load_model(source: PathLike) -> Tuple[network.T5Config, Params]:
+  """A model from an exported weights file or a training run's folder (packaged files too, as
+  `gin_utils.resolve_path` finds them: 'speculative_t5x/pretrained/...')."""
+  source = gin_utils.resolve_path(source)
+  if source.is_file():
+    config, params, _ = load_weights(source)
+  else:
+    config, params, _ = restore_params(source)
+  return config, params
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,16 +458,10 @@ def _read_orbax_target(path: Path) -> Params:
 # Post-processing and writing helpers.
 
 
-@functools.lru_cache(maxsize=16)
-def _expected_shapes(config: network.T5Config) -> Dict[str, Tuple[int, ...]]:
-  params, _ = jax.eval_shape(functools.partial(network.init_params, config))
-  return {'/'.join(k): tuple(v.shape) for k, v in traverse_util.flatten_dict(params).items()}
-
-
 def _finish(params: Params, source: Path, config: Optional[network.T5Config],
             dtype: Optional[DTypeLike]) -> Params:
   if config is not None:
-    validate_params(params, config, str(source))
+    network.validate_params(params, config, str(source))
   if dtype is not None:
     target = jnp.dtype(dtype)
     if not jnp.issubdtype(target, jnp.floating):

@@ -254,8 +254,7 @@ def convert_hf_weights(weights: Dict[str, np.ndarray], config: network.T5Config,
       kernel = (kernel.astype(np.float32) * config.emb_dim ** -0.5).astype(kernel.dtype)
     flat[('decoder', 'logits_dense', 'kernel')] = kernel
   params = traverse_util.unflatten_dict(flat)
-  from speculative_t5x import checkpoints  # pylint: disable=g-import-not-at-top  (cycle)
-  checkpoints.validate_params(params, config, source)
+  network.validate_params(params, config, source)
   return params
 
 
@@ -327,10 +326,9 @@ def hf_state_dict_from(config: network.T5Config, params: Params) -> Dict[str, np
   `lm_head.weight` `[vocab, emb]`, unscaled. Names HF ties to `shared.weight`
   (`encoder/decoder.embed_tokens.weight`, and `lm_head.weight` when tied) are left out, as HF
   leaves them out of its files; `to_hf_model` fills them in for `load_state_dict`.
-  Raises the one-line ValueError of `checkpoints.validate_params` if params do not fit config.
+  Raises the one-line ValueError of `network.validate_params` if params do not fit config.
   """
-  from speculative_t5x import checkpoints  # pylint: disable=g-import-not-at-top  (cycle)
-  checkpoints.validate_params(params, config, 'T5X params exported to Hugging Face')
+  network.validate_params(params, config, 'T5X params exported to Hugging Face')
   flat = traverse_util.flatten_dict(params)
 
   def as_f32(x, transpose: bool) -> np.ndarray:

@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 from flax.linen import partitioning as nn_partitioning
 
 Array = jnp.ndarray
@@ -705,3 +706,38 @@ def _init_variables(config: T5Config, rng: jax.Array, batch_size: int, encoder_l
   enc = jnp.ones((batch_size, encoder_length), jnp.int32)
   dec = jnp.ones((batch_size, decoder_length), jnp.int32)
   return Transformer(config).init(rng, enc, dec, dec)
+
+
+def validate_params(params: Any, config: T5Config, source: str = '') -> None:
+  """Checks that `params` has exactly the names and shapes `init_params(config)` makes.
+
+  Raises a one-line ValueError naming the first missing parameter, else the first unexpected
+  one, else the first mis-shaped one with both shapes ('first' in sorted path order), followed
+  by the counts of each kind of difference. `source` (a path) is appended when given.
+  """
+  expected = _expected_shapes(config)
+  actual = {'/'.join(k): tuple(np.shape(v)) for k, v in traverse_util.flatten_dict(params).items()}
+  missing = sorted(set(expected) - set(actual))
+  unexpected = sorted(set(actual) - set(expected))
+  misshaped = sorted(k for k in set(expected) & set(actual) if expected[k] != actual[k])
+  if missing:
+    problem = f"parameter '{missing[0]}' is missing from the checkpoint"
+  elif unexpected:
+    problem = f"parameter '{unexpected[0]}' is in the checkpoint but not in the config"
+  elif misshaped:
+    name = misshaped[0]
+    problem = (f"parameter '{name}' has shape {actual[name]} in the checkpoint but "
+               f'{expected[name]} in the config')
+  else:
+    return
+  counts = (f'{len(missing)} missing, {len(unexpected)} unexpected, '
+            f'{len(misshaped)} mis-shaped in all')
+  where = f' [{source}]' if source else ''
+  raise ValueError(f'checkpoint does not match T5Config: {problem} ({counts}){where}')
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
+  """{'encoder/layers_0/...': shape} of `init_params(config)`, traced (nothing is computed)."""
+  params, _ = jax.eval_shape(functools.partial(init_params, config))
+  return {'/'.join(k): tuple(v.shape) for k, v in traverse_util.flatten_dict(params).items()}

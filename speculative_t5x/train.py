@@ -14,45 +14,50 @@ Orbax checkpoint; a killed run continues with the batches and dropout masks an u
 would have used), a wall-clock budget accumulated over restarts, validation loss and greedy BLEU
 every M steps, and draft distillation (`distillation` = 'sequence' or 'token').
 
+`train` is the job's outline; its parts are the helpers below it. The losses, greedy evaluation
+and sequence distillation data are in `evaluation.py`; config.json, the Orbax run checkpoints'
+reader and the bf16 weights files are in `checkpoints.py`.
+
 Everything is numpy + JAX: no TensorFlow on the training path (see `data.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-import math
-import os
 import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
-import flax
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 import speculative_t5x
+from speculative_t5x import checkpoints
 from speculative_t5x import data
-from speculative_t5x import decoding
+from speculative_t5x import evaluation
 from speculative_t5x import gin_utils
-from speculative_t5x import models
 from speculative_t5x import network
 
 Array = jnp.ndarray
 PyTree = Any
+# {'params', 'opt_state', 'step'}: the training state every checkpoint holds.
+State = Dict[str, Any]
+# A teacher's (config, params), or (None, None) without distillation.
+Teacher = Tuple[Optional[network.T5Config], Optional[PyTree]]
 
 # Gin's handle on T5Config (`@network.T5Config()` in gin files); calling it applies the bindings.
 GinT5Config = gin.external_configurable(network.T5Config, module='network')
 
 
-
 # ------------------------------------------------------------------------------------------------
-# Optimizer, schedule and loss.
+# Optimizer and schedule.
 
 
 def rsqrt_schedule(scale: float = 1.0, warmup_steps: int = 10000) -> Callable[[Array], Array]:
@@ -71,242 +76,6 @@ def make_optimizer(learning_rate_scale: float, warmup_steps: int) -> optax.Gradi
       min_dim_size_to_factor=128, decay_rate=0.8, decay_offset=0,
       multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None, eps=1e-30,
       factored=True)
-
-
-def cross_entropy_with_z_loss(logits: Array, targets: Array, weights: Array, z_loss: float,
-                              label_smoothing: float = 0.0) -> Tuple[Array, Dict[str, Array]]:
-  """Summed token cross-entropy + z-loss, T5X's `cross_entropy_with_logits` arithmetic.
-
-  logits [batch, length, vocab] float32, targets [batch, length] int, weights [batch, length].
-  With label smoothing the constant entropy of the smoothed distribution is subtracted (as T5X),
-  so a perfect model has loss 0. Returns (summed loss, metrics summed over tokens).
-  """
-  vocab = logits.shape[-1]
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  log_probs = logits - log_z[..., None]
-  confidence = 1.0 - label_smoothing
-  low = label_smoothing / (vocab - 1)
-  normalizing = -(confidence * math.log(confidence) +
-                  (vocab - 1) * low * math.log(low + 1e-20)) if label_smoothing > 0 else 0.0
-  target_lp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-  if label_smoothing > 0:
-    ce = -(confidence * target_lp + low * (jnp.sum(log_probs, axis=-1) - target_lp)) - normalizing
-  else:
-    ce = -target_lp
-  z = z_loss * jnp.square(log_z)
-  loss = jnp.sum((ce + z) * weights)
-  metrics = {
-      'cross_entropy': jnp.sum(-target_lp * weights),
-      'z_loss': jnp.sum(z * weights),
-      'accuracy': jnp.sum((jnp.argmax(logits, -1) == targets) * weights),
-      'tokens': jnp.sum(weights),
-  }
-  return loss, metrics
-
-
-def soft_cross_entropy(logits: Array, teacher_logits: Array, weights: Array,
-                       temperature: float) -> Array:
-  """Summed token KL(teacher || student) at `temperature`, times T^2 (Hinton et al.'s scaling).
-
-  The teacher's entropy is subtracted so the term is a KL (0 when the distributions agree); it
-  does not change the gradient. logits, teacher_logits [batch, length, vocab]; weights
-  [batch, length].
-  """
-  t_logp = jax.nn.log_softmax(teacher_logits / temperature, axis=-1)
-  s_logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-  kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
-  return jnp.sum(kl * weights) * temperature**2
-
-
-# ------------------------------------------------------------------------------------------------
-# Greedy decoding: the decoders' own loop (decoding.temperature_sample at temperature 0).
-
-
-@functools.partial(jax.jit, static_argnames=('config', 'max_length'))
-def _greedy_decode(config: network.T5Config, params: PyTree, encoder_input_tokens: Array,
-                   max_length: int) -> Array:
-  """Greedy outputs [batch, max_length] for encoder_input_tokens [batch, enc_length].
-
-  Each row stops at its EOS (later positions are 0); rows that are all padding decode nothing.
-  """
-  model = models.EncoderDecoderModel(config, decode_fn=decoding.temperature_sample,
-                                     decode_kwargs={'temperature': 0.0}, eos_id=data.EOS_ID)
-  batch = {'encoder_input_tokens': encoder_input_tokens,
-           'decoder_input_tokens': jnp.zeros((encoder_input_tokens.shape[0], max_length),
-                                             jnp.int32)}
-  return model.predict_batch({'target': params}, batch)
-
-
-def greedy_translate(config: network.T5Config, params: PyTree, token_inputs: Sequence[Sequence[int]],
-                     max_input_length: int, max_length: int, batch_size: int = 128,
-                     log_every: int = 0) -> List[List[int]]:
-  """Greedy token outputs (up to and including EOS) for each tokenized input, in fixed shapes."""
-  outputs = []
-  for start in range(0, len(token_inputs), batch_size):
-    chunk = token_inputs[start:start + batch_size]
-    enc = data.pad_batch(chunk, None, max_input_length, max_length, batch_size)
-    out = np.asarray(_greedy_decode(config, params, jnp.asarray(enc['encoder_input_tokens']),
-                                    max_length))
-    for row in out[:len(chunk)]:
-      row = row.tolist()
-      outputs.append(row[:row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row)
-    if log_every and (start // batch_size) % log_every == 0:
-      print(f'  greedy: {start + len(chunk)}/{len(token_inputs)}', flush=True)
-  return outputs
-
-
-# ------------------------------------------------------------------------------------------------
-# Weights export (bf16) and loading (fp32).
-
-
-def export_weights(params: PyTree, config: network.T5Config, path: os.PathLike,
-                   extra: Optional[Dict[str, Any]] = None) -> int:
-  """Writes params as bfloat16 plus the config in one msgpack file; returns its size in bytes.
-
-  bf16 halves the file (the repository budget is 35 MB for all weights and the vocabulary); the
-  loss of precision is ~3 significant digits, which greedy outputs tolerate.
-  """
-  payload = {
-      'config': _config_to_json(config),
-      'extra': json.dumps(extra or {}),
-      'params': jax.tree_util.tree_map(lambda x: np.asarray(x, jnp.bfloat16), params),
-  }
-  raw = flax.serialization.msgpack_serialize(flax.serialization.to_state_dict(payload))
-  Path(path).parent.mkdir(parents=True, exist_ok=True)
-  Path(path).write_bytes(raw)
-  return len(raw)
-
-
-def load_weights(path: os.PathLike) -> Tuple[network.T5Config, PyTree, Dict[str, Any]]:
-  """(config, float32 params, extra metadata) from an `export_weights` file."""
-  payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
-  config = network.T5Config(**json.loads(payload['config']))
-  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), payload['params'])
-  return config, params, json.loads(payload.get('extra', '{}'))
-
-
-def _config_to_json(config: network.T5Config) -> str:
-  cfg = {f.name: getattr(config, f.name) for f in config.__dataclass_fields__.values()}
-  cfg['dtype'] = str(jnp.dtype(cfg['dtype']))
-  cfg['mlp_activations'] = list(cfg['mlp_activations'])
-  return json.dumps(cfg)
-
-
-def restore_params(model_dir: os.PathLike, config: Optional[network.T5Config] = None,
-                   step: Optional[int] = None) -> Tuple[network.T5Config, PyTree, int]:
-  """(config, params, step) from the latest (or `step`) Orbax checkpoint of a training run."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  model_dir = Path(model_dir).resolve()
-  if config is None:
-    config = network.T5Config(**json.loads((model_dir / 'config.json').read_text()))
-  with ocp.CheckpointManager(model_dir / 'checkpoints') as manager:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f'No checkpoint in {model_dir / "checkpoints"}.')
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  params = jax.tree_util.tree_map(jnp.asarray, restored['state']['params'])
-  return config, params, int(step)
-
-
-def load_model(source: os.PathLike) -> Tuple[network.T5Config, PyTree]:
-  """A model from an exported weights file or a training run's folder (packaged files too, as
-  `gin_utils.resolve_path` finds them: 'speculative_t5x/pretrained/...')."""
-  source = gin_utils.resolve_path(source)
-  if source.is_file():
-    config, params, _ = load_weights(source)
-  else:
-    config, params, _ = restore_params(source)
-  return config, params
-
-
-# ------------------------------------------------------------------------------------------------
-# Evaluation.
-
-
-def evaluate(config: network.T5Config, params: PyTree, sources: Sequence[str],
-             references: Sequence[str], max_input_length: int, max_target_length: int,
-             batch_size: int = 128, loss_batches: bool = True,
-             bleu_examples: Optional[int] = None) -> Dict[str, float]:
-  """Per-token loss / accuracy (teacher forced) over all pairs, and greedy BLEU on the first
-  `bleu_examples` (all when None)."""
-  inputs, targets = data.tokenize_pairs(sources, references, max_input_length, max_target_length)
-  results = {}
-  if loss_batches:
-    totals = {'cross_entropy': 0.0, 'accuracy': 0.0, 'tokens': 0.0}
-    for start in range(0, len(inputs), batch_size):
-      batch = data.pad_batch(inputs[start:start + batch_size], targets[start:start + batch_size],
-                             max_input_length, max_target_length, batch_size)
-      metrics = _eval_step(config, params, {k: jnp.asarray(v) for k, v in batch.items()})
-      for k in totals:
-        totals[k] += float(metrics[k])
-    results['loss'] = totals['cross_entropy'] / totals['tokens']
-    results['accuracy'] = totals['accuracy'] / totals['tokens']
-  n = len(inputs) if bleu_examples is None else min(bleu_examples, len(inputs))
-  if n:
-    outputs = greedy_translate(config, params, inputs[:n], max_input_length, max_target_length,
-                               batch_size)
-    results['bleu'] = data.corpus_bleu(data.decode(outputs), references[:n])
-    results['bleu_examples'] = n
-  return results
-
-
-@functools.partial(jax.jit, static_argnames=('config',))
-def _eval_step(config: network.T5Config, params: PyTree, batch: Dict[str, Array]) -> Dict[str, Array]:
-  logits = network.Transformer(config).apply(
-      {'params': params}, batch['encoder_input_tokens'], batch['decoder_input_tokens'],
-      batch['decoder_target_tokens'], enable_dropout=False)
-  _, metrics = cross_entropy_with_z_loss(logits, batch['decoder_target_tokens'],
-                                         batch['decoder_loss_weights'], 0.0)
-  return metrics
-
-
-# ------------------------------------------------------------------------------------------------
-# Sequence-level distillation data.
-
-
-def sequence_distillation_targets(teacher_config: network.T5Config, teacher_params: PyTree,
-                                  inputs: Sequence[Sequence[int]], max_input_length: int,
-                                  max_target_length: int, cache_path: Optional[os.PathLike] = None,
-                                  batch_size: int = 256) -> List[List[int]]:
-  """The teacher's greedy outputs (ending in EOS) for tokenized inputs, cached in an .npz file.
-
-  This is BiLD's "aligned" training set: the draft learns what the target would say, which is
-  what speculative decoding accepts. Outputs that hit max_target_length without EOS get EOS as
-  their last token (as truncation does for real targets). The cache is keyed by the number of
-  inputs and a checksum of them, so a stale file is recomputed.
-  """
-  checksum = int(sum((i + 1) * sum(x) for i, x in enumerate(inputs[:1000])) % (2**31))
-  if cache_path is not None and Path(cache_path).exists():
-    cached = np.load(cache_path)
-    if int(cached['num']) == len(inputs) and int(cached['checksum']) == checksum:
-      tokens, lengths = cached['tokens'], cached['lengths']
-      return [tokens[i, :lengths[i]].tolist() for i in range(len(lengths))]
-    print(f'Distillation cache {cache_path} does not match the inputs; recomputing.', flush=True)
-  start = time.time()
-  # Decode in order of input length: a batch's loop runs until its longest output ends, and
-  # output length follows input length, so sorted batches waste far fewer steps on finished rows.
-  order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-  sorted_outputs = greedy_translate(teacher_config, teacher_params, [inputs[i] for i in order],
-                                    max_input_length, max_target_length, batch_size,
-                                    log_every=20)
-  outputs: List[List[int]] = [[] for _ in inputs]
-  for i, row in zip(order, sorted_outputs):
-    outputs[i] = row
-  fixed = []
-  for row in outputs:
-    if not row or row[-1] != data.EOS_ID:
-      row = row[:max_target_length - 1] + [data.EOS_ID]
-    fixed.append(row)
-  print(f'Sequence distillation: {len(fixed)} greedy outputs in {time.time() - start:.0f}s.',
-        flush=True)
-  if cache_path is not None:
-    tokens = np.zeros((len(fixed), max_target_length), np.int32)
-    for i, row in enumerate(fixed):
-      tokens[i, :len(row)] = row
-    Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(cache_path, tokens=tokens, lengths=np.array([len(r) for r in fixed], np.int32),
-             num=len(fixed), checksum=checksum)
-  return fixed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,19 +118,404 @@ def load_examples(split: str, source_language: str, target_language: str,
 
 
 # ------------------------------------------------------------------------------------------------
-# The training loop.
+# The job: `train` and its parts.
 
 
-class _StopFlag:
-  """Set by SIGTERM/SIGINT so the loop checkpoints and exits cleanly instead of dying mid-step."""
+@gin.configurable
+def train(*,
+          model_dir: str = gin.REQUIRED, config: network.T5Config = gin.REQUIRED,
+          data_dir: Optional[str] = None, mixture_or_task_name: Optional[str] = None,
+          source_language: str = 'de', target_language: str = 'en',
+          max_input_length: int = 64, max_target_length: int = 64,
+          batch_size: int = 64, pack: bool = True,
+          num_train_steps: int = 100000, max_train_seconds: Optional[float] = None,
+          learning_rate_scale: float = 1.0, warmup_steps: int = 10000,
+          z_loss: float = 1e-4, label_smoothing: float = 0.0, seed: int = 0,
+          log_every: int = 20, checkpoint_every: int = 200, keep_checkpoints: int = 2,
+          eval_every: int = 500, eval_batch_size: int = 128, eval_bleu_examples: int = 256,
+          final_eval_splits: Sequence[str] = ('validation', 'test'),
+          export_path: Optional[str] = None,
+          distillation: str = 'none', teacher: Optional[str] = None,
+          kd_weight: float = 1.0, kd_temperature: float = 1.0,
+          distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
+          init_from: Optional[str] = None) -> Dict[str, Any]:
+  """Trains (or resumes) a model; returns the final metrics.
 
-  def __init__(self):
-    self.stop = False
+  Args:
+    model_dir: run folder: checkpoints/, config.json, log of metrics (metrics.jsonl).
+    config: the network's T5Config (vocab_size = the vocabulary rounded up to 128).
+    data_dir: folder holding multi30k/ (default $SPECULATIVE_T5X_DATA or <repo>/../shared/data).
+    mixture_or_task_name: read the data through this seqio task (e.g. 'multi30k_de_en', T5X's
+      MIXTURE_OR_TASK_NAME) instead of the plain-Python reader; needs seqio + TensorFlow.
+    source_language, target_language: the plain reader's direction (ignored with a task).
+    max_input_length, max_target_length: packed row lengths (and eval padding lengths).
+    batch_size: packed rows per step.
+    num_train_steps: stop at this step.
+    max_train_seconds: also stop once this much training time (summed over restarts) is spent;
+      the rsqrt schedule needs no total step count, so a time budget is a clean stop.
+    learning_rate_scale, warmup_steps: lr = scale / sqrt(max(step, warmup_steps)).
+    checkpoint_every: Orbax checkpoint interval in steps (also at the end and on SIGTERM).
+    eval_every: validation loss (all of val) and greedy BLEU (first eval_bleu_examples) interval.
+    final_eval_splits: splits evaluated in full (loss and BLEU) at the end, into results.json.
+    export_path: if set, the final params as a bf16 weights file (see
+      `checkpoints.export_weights`).
+    distillation: 'none'; 'sequence' (targets = the teacher's greedy outputs for the training
+      inputs, cached in `distillation_cache`); or 'token' (loss = (1 - kd_weight) * CE +
+      kd_weight * T^2 KL(teacher_T || student_T) on the real targets).
+    teacher: the teacher's exported weights file or training folder (distillation only).
+    max_train_examples: use only the first n training pairs (also bounds the sequence
+      distillation set, whose greedy decoding is the expensive part).
+    init_from: start from these params (exported weights file or training folder; same config)
+      instead of a random init, e.g. to fine-tune the undistilled draft on distillation data.
+      Ignored when the run resumes from its own checkpoint.
+  """
+  distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache)
+  model_dir = _prepare_model_dir(model_dir, config)
+  dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
+                     data_dir, mixture_or_task_name, batch_size, pack, seed)
+  batches, num_pairs, teacher_model = _training_data(dataset, config, distill,
+                                                     max_train_examples, eval_batch_size)
+  validation = dataset.load('validation')[:2]
+  state = _initial_state(config, make_optimizer(learning_rate_scale, warmup_steps), seed,
+                         init_from)
+  checkpointer = _Checkpointer(model_dir / 'checkpoints', checkpoint_every, keep_checkpoints,
+                               batches)
+  state, progress = checkpointer.restore(state)
+  _print_summary(config, state, num_pairs, batches)
+  train_step = _step_function(config, distill, teacher_model, learning_rate_scale, warmup_steps,
+                              seed, z_loss, label_smoothing)
+  evaluator = _Evaluator(config, dataset, validation, eval_batch_size, eval_every,
+                         eval_bleu_examples, tuple(final_eval_splits))
+  schedule = rsqrt_schedule(learning_rate_scale, warmup_steps)
+  with _MetricsLog(model_dir / 'metrics.jsonl', schedule, log_every) as log, checkpointer:
+    with _StopRule(num_train_steps, max_train_seconds) as stop:
+      state, step = _run_steps(state, progress, train_step, batches, checkpointer, evaluator, log,
+                               stop)
+    results = {'step': step, 'train_seconds': progress['train_seconds'],
+               'parameters': _num_params(state),
+               'decode_flops_per_token': config.decode_flops_per_token()}
+    if not stop.signalled:  # A signal means "stop now": no export or final evaluation.
+      _finish(results, state['params'], config, export_path, distillation, evaluator, log,
+              model_dir)
+  return {**results, 'state': state}
 
-  def __call__(self, signum, frame):
+
+def _prepare_model_dir(model_dir: str, config: network.T5Config) -> Path:
+  """The run folder, created, holding config.json (and config.gin when gin configured the run)."""
+  model_dir = Path(model_dir).resolve()
+  model_dir.mkdir(parents=True, exist_ok=True)
+  (model_dir / 'config.json').write_text(checkpoints.config_to_json(config))
+  if gin.config_str():
+    (model_dir / 'config.gin').write_text(gin.config_str())
+  vocab = data.vocab_size()
+  if config.vocab_size < vocab:
+    raise ValueError(f'config.vocab_size {config.vocab_size} < vocabulary size {vocab}.')
+  return model_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class _Distillation:
+  """What a draft learns from a teacher (`train`'s distillation, teacher, kd_* arguments)."""
+  mode: str  # 'none', 'sequence' or 'token'
+  teacher: Optional[str]
+  weight: float
+  temperature: float
+  cache: Optional[str]
+
+  def __post_init__(self):
+    if self.mode not in ('none', 'sequence', 'token'):
+      raise ValueError(
+          f"distillation must be 'none', 'sequence' or 'token', not {self.mode!r}.")
+
+  def load_teacher(self, config: network.T5Config) -> Teacher:
+    """The teacher's (config, params), or (None, None) without distillation."""
+    if self.mode == 'none':
+      return None, None
+    if self.teacher is None:
+      raise ValueError('Distillation needs `teacher` (weights file or training folder).')
+    teacher_config, teacher_params = checkpoints.load_model(self.teacher)
+    if teacher_config.vocab_size != config.vocab_size:
+      raise ValueError('Teacher and student must share the (padded) vocabulary.')
+    return teacher_config, teacher_params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dataset:
+  """Where the examples come from and how they are batched (T5X's DatasetConfig, for this job)."""
+  source_language: str
+  target_language: str
+  max_input_length: int
+  max_target_length: int
+  data_dir: Optional[str]
+  mixture_or_task_name: Optional[str]
+  batch_size: int
+  pack: bool
+  seed: int
+
+  def load(self, split: str, max_examples: Optional[int] = None
+           ) -> Tuple[List[str], List[str], List[List[int]], List[List[int]]]:
+    """`load_examples` of `split`: (source texts, reference texts, input ids, target ids)."""
+    return load_examples(split, self.source_language, self.target_language,
+                         self.max_input_length, self.max_target_length, data_dir=self.data_dir,
+                         mixture_or_task_name=self.mixture_or_task_name,
+                         max_examples=max_examples)
+
+  def batches(self, inputs: Sequence[Sequence[int]],
+              targets: Sequence[Sequence[int]]) -> data.PackedBatches:
+    """The endless, seeded stream of packed [batch_size, length] batches of the pairs."""
+    return data.PackedBatches(inputs, targets, self.batch_size, self.max_input_length,
+                              self.max_target_length, seed=self.seed, pack=self.pack)
+
+
+def _training_data(dataset: _Dataset, config: network.T5Config, distill: _Distillation,
+                   max_examples: Optional[int],
+                   decode_batch_size: int) -> Tuple[data.PackedBatches, int, Teacher]:
+  """(training batches, number of training pairs, teacher).
+
+  With sequence distillation the targets are the teacher's greedy outputs for the inputs,
+  decoded `decode_batch_size` rows at a time (or read from the distillation cache).
+  """
+  _, _, inputs, targets = dataset.load('train', max_examples=max_examples)
+  teacher = distill.load_teacher(config)
+  if distill.mode == 'sequence':
+    targets = evaluation.sequence_distillation_targets(
+        *teacher, inputs, dataset.max_input_length, dataset.max_target_length, distill.cache,
+        decode_batch_size)
+  return dataset.batches(inputs, targets), len(inputs), teacher
+
+
+def _initial_state(config: network.T5Config, tx: optax.GradientTransformation, seed: int,
+                   init_from: Optional[str]) -> State:
+  """Step 0: the params of `init_from` (same tree as config's) or a seeded init, fresh slots."""
+  params, _ = network.init_params(config, jax.random.PRNGKey(seed))
+  if init_from is not None:
+    init_config, init_params = checkpoints.load_model(init_from)
+    if jax.tree_util.tree_structure(init_params) != jax.tree_util.tree_structure(params) or any(
+        a.shape != b.shape for a, b in zip(jax.tree_util.tree_leaves(init_params),
+                                           jax.tree_util.tree_leaves(params))):
+      raise ValueError(f'init_from={init_from} has config {init_config}, not {config}.')
+    params = init_params
+  return {'params': params, 'opt_state': tx.init(params), 'step': jnp.int32(0)}
+
+
+def _num_params(state: State) -> int:
+  return int(sum(x.size for x in jax.tree_util.tree_leaves(state['params'])))
+
+
+def _print_summary(config: network.T5Config, state: State, num_pairs: int,
+                   batches: data.PackedBatches) -> None:
+  print(f'{config}\n{_num_params(state) / 1e6:.2f}M parameters; decode FLOPs/token '
+        f'{config.decode_flops_per_token() / 1e6:.2f}M; {num_pairs} training pairs, '
+        f'{batches.batches_per_epoch()} batches of {batches.batch_size} packed rows per epoch.',
+        flush=True)
+
+
+class _Checkpointer:
+  """The run's Orbax checkpoints: the state, and the progress as JSON.
+
+  Progress is the training time summed over restarts and the data position, so a resumed run
+  continues with the batches (and, through the step, the dropout masks) an uninterrupted run
+  would have used. Closing it (or leaving its `with` block) closes the Orbax manager.
+  """
+
+  def __init__(self, directory: Path, every: int, keep: int, batches: data.PackedBatches):
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=False)
+    self._manager = ocp.CheckpointManager(directory, options=options)
+    self._every = every
+    self._batches = batches
+    self._saved_step: Optional[int] = None
+
+  def __enter__(self) -> _Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._manager.close()
+
+  def restore(self, state: State) -> Tuple[State, Dict[str, Any]]:
+    """(state, progress) of the latest checkpoint, with the batches moved to its data position;
+    `state` and fresh progress when there is none. `state` gives the restored tree's structure."""
+    progress = {'train_seconds': 0.0, 'data': self._batches.state}
+    latest = self._manager.latest_step()
+    if latest is not None:
+      abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+      restored = self._manager.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore()))
+      state, progress = restored['state'], restored['progress']
+      self._batches.set_state(progress['data'])
+      print(f'Resumed from step {latest} (data position {progress["data"]}, '
+            f'{progress["train_seconds"]:.0f}s trained).', flush=True)
+    self._saved_step = int(state['step'])
+    return state, progress
+
+  def save(self, step: int, state: State, progress: Dict[str, Any]) -> None:
+    progress['data'] = self._batches.state
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      progress=ocp.args.JsonSave(progress)),
+                       force=True)
+    self._saved_step = step
+
+  def save_if_due(self, step: int, state: State, progress: Dict[str, Any]) -> None:
+    if step % self._every == 0:
+      self.save(step, state, progress)
+
+  def save_last(self, step: int, state: State, progress: Dict[str, Any]) -> None:
+    """Checkpoints `step` unless it already is the latest checkpoint, and waits for the write."""
+    if step != self._saved_step or self._manager.latest_step() is None:
+      self.save(step, state, progress)
+    self._manager.wait_until_finished()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Evaluator:
+  """Teacher-forced loss and greedy BLEU (`evaluation.evaluate`), printed per split."""
+  config: network.T5Config
+  dataset: _Dataset
+  validation: Tuple[List[str], List[str]]  # (sources, references), read once for every eval
+  batch_size: int
+  every: int  # 0: no evaluation during training
+  bleu_examples: int  # greedy BLEU during training on this many validation examples
+  final_splits: Tuple[str, ...]
+
+  def due(self, step: int) -> bool:
+    return bool(self.every) and step % self.every == 0
+
+  def periodic(self, step: int, params: PyTree) -> Dict[str, Any]:
+    """The evaluation during training: validation, BLEU on the first `bleu_examples`."""
+    return self.record(step, params, self.bleu_examples, ('validation',))
+
+  def final(self, step: int, params: PyTree) -> Dict[str, Any]:
+    """The evaluation at the end: `final_splits` in full."""
+    return self.record(step, params, None, self.final_splits)
+
+  def record(self, step: int, params: PyTree, bleu_examples: Optional[int],
+             splits: Sequence[str]) -> Dict[str, Any]:
+    """The metrics.jsonl record {'step', 'eval': {split: metrics}} of `params` on `splits`;
+    greedy BLEU on the first `bleu_examples` of each (all when None)."""
+    out = {}
+    for split in splits:
+      src, ref = self.validation if split == 'validation' else self.dataset.load(split)[:2]
+      start = time.time()
+      res = evaluation.evaluate(self.config, params, src, ref, self.dataset.max_input_length,
+                                self.dataset.max_target_length, self.batch_size,
+                                bleu_examples=bleu_examples)
+      res['seconds'] = time.time() - start
+      out[split] = res
+      print(f'step {step} eval {split}: ' + ', '.join(
+          f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in res.items()),
+            flush=True)
+    return {'step': step, 'eval': out}
+
+
+class _MetricsLog:
+  """metrics.jsonl (one JSON record per line, appended over restarts) and the console's lines.
+
+  Also the steps/s clock: a training record's rate covers the steps since the previous record,
+  and evaluations restart the clock.
+  """
+
+  def __init__(self, path: Path, schedule: Callable[[Array], Array], every: int):
+    self._file = open(path, 'a')
+    self._schedule = schedule
+    self._every = every
+    self.restart_clock()
+
+  def __enter__(self) -> _MetricsLog:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._file.close()
+
+  def due(self, step: int) -> bool:
+    return step % self._every == 0 or step == 1
+
+  def restart_clock(self) -> None:
+    self._window_start, self._window_steps = time.time(), 0
+
+  def count_step(self) -> None:
+    self._window_steps += 1
+
+  def write(self, record: Dict[str, Any]) -> None:
+    self._file.write(json.dumps(record) + '\n')
+    self._file.flush()
+
+  def train_metrics(self, step: int, metrics: Dict[str, Any], train_seconds: float,
+                    epoch: int) -> None:
+    """Writes and prints step's record from its host metrics (sums over tokens)."""
+    elapsed = time.time() - self._window_start
+    tokens = float(metrics['tokens'])
+    record = {
+        'step': step, 'loss': float(metrics['loss']),
+        'cross_entropy': float(metrics['cross_entropy']) / tokens,
+        'z_loss': float(metrics['z_loss']) / tokens,
+        'accuracy': float(metrics['accuracy']) / tokens,
+        'grad_norm': float(metrics['grad_norm']),
+        'learning_rate': float(self._schedule(step - 1)),
+        'steps_per_second': self._window_steps / elapsed,
+        'train_seconds': train_seconds,
+        'epoch': epoch,
+    }
+    if 'kd_loss' in metrics:
+      record['kd_loss'] = float(metrics['kd_loss']) / tokens
+    self.write(record)
+    print(f'step {step:6d} | loss {record["loss"]:.4f} | ce {record["cross_entropy"]:.4f} | '
+          f'acc {record["accuracy"]:.3f} | lr {record["learning_rate"]:.2e} | '
+          f'{record["steps_per_second"]:.3f} steps/s | epoch {epoch} | '
+          f'{train_seconds / 60:.1f} min', flush=True)
+    self.restart_clock()
+
+
+class _StopRule:
+  """When the loop stops: at num_train_steps, once max_train_seconds of training (summed over
+  restarts) are spent, or after SIGTERM/SIGINT.
+
+  Inside its `with` block it catches those signals, so the run checkpoints and exits cleanly
+  instead of dying mid-step; the previous handlers come back on leaving it.
+  """
+
+  def __init__(self, num_train_steps: int, max_train_seconds: Optional[float]):
+    self._num_train_steps = num_train_steps
+    self._max_train_seconds = max_train_seconds
+    self._previous_handlers = {}
+    self.signalled = False
+
+  def __enter__(self) -> _StopRule:
+    self._previous_handlers = {s: signal.signal(s, self._on_signal)
+                               for s in (signal.SIGTERM, signal.SIGINT)}
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for s, h in self._previous_handlers.items():
+      signal.signal(s, h)
+
+  def _on_signal(self, signum, frame) -> None:
     del frame
     print(f'Signal {signum}: checkpointing and stopping.', flush=True)
-    self.stop = True
+    self.signalled = True
+
+  def __call__(self, step: int, train_seconds: float) -> bool:
+    """Whether to stop before training step `step + 1`."""
+    if step >= self._num_train_steps or self.signalled:
+      return True
+    if self._max_train_seconds is not None and train_seconds >= self._max_train_seconds:
+      print(f'Training time budget {self._max_train_seconds:.0f}s spent at step {step}.',
+            flush=True)
+      return True
+    return False
+
+
+def _step_function(config: network.T5Config, distill: _Distillation, teacher: Teacher,
+                   learning_rate_scale: float, warmup_steps: int, seed: int, z_loss: float,
+                   label_smoothing: float) -> Callable[[State, Dict[str, Array]],
+                                                       Tuple[State, Dict[str, Array]]]:
+  """The compiled step as (state, batch) -> (state, metrics summed over tokens)."""
+  # Sequence distillation only changes the targets: it shares the plain step (and its compile).
+  token_level = distill.mode == 'token'
+  teacher_config, teacher_params = teacher if token_level else (None, None)
+  step_fn = _make_train_step(config, learning_rate_scale, warmup_steps, seed, z_loss,
+                             label_smoothing, 'token' if token_level else 'none', teacher_config,
+                             distill.weight, distill.temperature)
+  return lambda state, batch: step_fn(state, batch, teacher_params)
 
 
 @functools.lru_cache(maxsize=8)
@@ -389,12 +543,12 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
     def loss_fn(params):
       logits = model.apply({'params': params}, *args, enable_dropout=True,
                            rngs={'dropout': rng})
-      loss, metrics = cross_entropy_with_z_loss(logits, batch['decoder_target_tokens'], weights,
-                                                z_loss, label_smoothing)
+      loss, metrics = evaluation.cross_entropy_with_z_loss(
+          logits, batch['decoder_target_tokens'], weights, z_loss, label_smoothing)
       if distillation == 'token':
         teacher_logits = jax.lax.stop_gradient(
             teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
-        kd = soft_cross_entropy(logits, teacher_logits, weights, kd_temperature)
+        kd = evaluation.soft_cross_entropy(logits, teacher_logits, weights, kd_temperature)
         metrics['kd_loss'] = kd
         loss = (1.0 - kd_weight) * loss + kd_weight * kd
       # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token
@@ -411,245 +565,53 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
   return jax.jit(step_fn, donate_argnums=(0,))
 
 
-@gin.configurable
-def train(*,
-          model_dir: str = gin.REQUIRED,
-          config: network.T5Config = gin.REQUIRED,
-          data_dir: Optional[str] = None,
-          mixture_or_task_name: Optional[str] = None,
-          source_language: str = 'de',
-          target_language: str = 'en',
-          max_input_length: int = 64,
-          max_target_length: int = 64,
-          batch_size: int = 64,
-          pack: bool = True,
-          num_train_steps: int = 100000,
-          max_train_seconds: Optional[float] = None,
-          learning_rate_scale: float = 1.0,
-          warmup_steps: int = 10000,
-          z_loss: float = 1e-4,
-          label_smoothing: float = 0.0,
-          seed: int = 0,
-          log_every: int = 20,
-          checkpoint_every: int = 200,
-          keep_checkpoints: int = 2,
-          eval_every: int = 500,
-          eval_batch_size: int = 128,
-          eval_bleu_examples: int = 256,
-          final_eval_splits: Sequence[str] = ('validation', 'test'),
-          export_path: Optional[str] = None,
-          distillation: str = 'none',
-          teacher: Optional[str] = None,
-          kd_weight: float = 1.0,
-          kd_temperature: float = 1.0,
-          distillation_cache: Optional[str] = None,
-          max_train_examples: Optional[int] = None,
-          init_from: Optional[str] = None) -> Dict[str, Any]:
-  """Trains (or resumes) a model; returns the final metrics.
+def _run_steps(state: State, progress: Dict[str, Any], train_step: Callable,
+               batches: data.PackedBatches, checkpointer: _Checkpointer, evaluator: _Evaluator,
+               log: _MetricsLog, stop: _StopRule) -> Tuple[State, int]:
+  """Trains until `stop` says so; returns (state, step).
 
-  Args:
-    model_dir: run folder: checkpoints/, config.json, log of metrics (metrics.jsonl).
-    config: the network's T5Config (vocab_size = the vocabulary rounded up to 128).
-    data_dir: folder holding multi30k/ (default $SPECULATIVE_T5X_DATA or <repo>/../shared/data).
-    mixture_or_task_name: read the data through this seqio task (e.g. 'multi30k_de_en', T5X's
-      MIXTURE_OR_TASK_NAME) instead of the plain-Python reader; needs seqio + TensorFlow.
-    source_language, target_language: the plain reader's direction (ignored with a task).
-    max_input_length, max_target_length: packed row lengths (and eval padding lengths).
-    batch_size: packed rows per step.
-    num_train_steps: stop at this step.
-    max_train_seconds: also stop once this much training time (summed over restarts) is spent;
-      the rsqrt schedule needs no total step count, so a time budget is a clean stop.
-    learning_rate_scale, warmup_steps: lr = scale / sqrt(max(step, warmup_steps)).
-    checkpoint_every: Orbax checkpoint interval in steps (also at the end and on SIGTERM).
-    eval_every: validation loss (all of val) and greedy BLEU (first eval_bleu_examples) interval.
-    final_eval_splits: splits evaluated in full (loss and BLEU) at the end, into results.json.
-    export_path: if set, the final params as a bf16 weights file (see `export_weights`).
-    distillation: 'none'; 'sequence' (targets = the teacher's greedy outputs for the training
-      inputs, cached in `distillation_cache`); or 'token' (loss = (1 - kd_weight) * CE +
-      kd_weight * T^2 KL(teacher_T || student_T) on the real targets).
-    teacher: the teacher's exported weights file or training folder (distillation only).
-    max_train_examples: use only the first n training pairs (also bounds the sequence
-      distillation set, whose greedy decoding is the expensive part).
-    init_from: start from these params (exported weights file or training folder; same config)
-      instead of a random init, e.g. to fine-tune the undistilled draft on distillation data.
-      Ignored when the run resumes from its own checkpoint.
+  Logs, checkpoints and evaluates on their periods. The last step is checkpointed however the
+  loop ends: the stop rule, a signal, or an exception.
   """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  if distillation not in ('none', 'sequence', 'token'):
-    raise ValueError(f"distillation must be 'none', 'sequence' or 'token', not {distillation!r}.")
-  model_dir = Path(model_dir).resolve()
-  model_dir.mkdir(parents=True, exist_ok=True)
-  (model_dir / 'config.json').write_text(_config_to_json(config))
-  if gin.config_str():
-    (model_dir / 'config.gin').write_text(gin.config_str())
-  vocab = data.vocab_size()
-  if config.vocab_size < vocab:
-    raise ValueError(f'config.vocab_size {config.vocab_size} < vocabulary size {vocab}.')
-
-  # ---- Data.
-  load = functools.partial(load_examples, source_language=source_language,
-                           target_language=target_language, max_input_length=max_input_length,
-                           max_target_length=max_target_length, data_dir=data_dir,
-                           mixture_or_task_name=mixture_or_task_name)
-  _, _, inputs, targets = load('train', max_examples=max_train_examples)
-  teacher_config = teacher_params = None
-  if distillation != 'none':
-    if teacher is None:
-      raise ValueError('Distillation needs `teacher` (weights file or training folder).')
-    teacher_config, teacher_params = load_model(teacher)
-    if teacher_config.vocab_size != config.vocab_size:
-      raise ValueError('Teacher and student must share the (padded) vocabulary.')
-  if distillation == 'sequence':
-    targets = sequence_distillation_targets(teacher_config, teacher_params, inputs,
-                                            max_input_length, max_target_length,
-                                            distillation_cache, eval_batch_size)
-  batches = data.PackedBatches(inputs, targets, batch_size, max_input_length, max_target_length,
-                               seed=seed, pack=pack)
-  val_sources, val_references, _, _ = load('validation')
-
-  # ---- State.
-  tx = make_optimizer(learning_rate_scale, warmup_steps)
-  params, _ = network.init_params(config, jax.random.PRNGKey(seed))
-  if init_from is not None:
-    init_config, init_params = load_model(init_from)
-    if jax.tree_util.tree_structure(init_params) != jax.tree_util.tree_structure(params) or any(
-        a.shape != b.shape for a, b in zip(jax.tree_util.tree_leaves(init_params),
-                                           jax.tree_util.tree_leaves(params))):
-      raise ValueError(f'init_from={init_from} has config {init_config}, not {config}.')
-    params = init_params
-  state = {'params': params, 'opt_state': tx.init(params), 'step': jnp.int32(0)}
-  progress = {'train_seconds': 0.0, 'data': batches.state}
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep_checkpoints, create=True,
-                                         enable_async_checkpointing=False)
-  manager = ocp.CheckpointManager(model_dir / 'checkpoints', options=options)
-  latest = manager.latest_step()
-  if latest is not None:
-    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(latest, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore()))
-    state, progress = restored['state'], restored['progress']
-    batches.set_state(progress['data'])
-    print(f'Resumed from step {latest} (data position {progress["data"]}, '
-          f'{progress["train_seconds"]:.0f}s trained).', flush=True)
-
-  def save(step: int) -> None:
-    progress['data'] = batches.state
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                progress=ocp.args.JsonSave(progress)),
-                 force=True)
-
-  n_params = sum(x.size for x in jax.tree_util.tree_leaves(state['params']))
-  print(f'{config}\n{n_params / 1e6:.2f}M parameters; decode FLOPs/token '
-        f'{config.decode_flops_per_token() / 1e6:.2f}M; {len(inputs)} training pairs, '
-        f'{batches.batches_per_epoch()} batches of {batch_size} packed rows per epoch.',
-        flush=True)
-
-  # Sequence distillation only changes the targets: it shares the plain step (and its compile).
-  token_level = distillation == 'token'
-  train_step = _make_train_step(config, learning_rate_scale, warmup_steps, seed, z_loss,
-                                label_smoothing, 'token' if token_level else 'none',
-                                teacher_config if token_level else None, kd_weight,
-                                kd_temperature)
-  stop = _StopFlag()
-  previous_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-  metrics_file = open(model_dir / 'metrics.jsonl', 'a')
-  schedule = rsqrt_schedule(learning_rate_scale, warmup_steps)
-
-  def log(record: Dict[str, Any]) -> None:
-    metrics_file.write(json.dumps(record) + '\n')
-    metrics_file.flush()
-
-  def run_eval(step: int, bleu_examples: Optional[int], splits=('validation',),
-               params: Optional[PyTree] = None) -> Dict[str, Any]:
-    params = state['params'] if params is None else params
-    out = {}
-    for split in splits:
-      src, ref = ((val_sources, val_references) if split == 'validation' else
-                  load(split)[:2])
-      t0 = time.time()
-      res = evaluate(config, params, src, ref, max_input_length, max_target_length,
-                     eval_batch_size, bleu_examples=bleu_examples)
-      res['seconds'] = time.time() - t0
-      out[split] = res
-      print(f'step {step} eval {split}: ' + ', '.join(
-          f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in res.items()),
-            flush=True)
-    log({'step': step, 'eval': out})
-    return out
-
   step = int(state['step'])
-  window_start, window_steps = time.time(), 0
-  last_checkpoint = step
   try:
-    while step < num_train_steps and not stop.stop:
-      if max_train_seconds is not None and progress['train_seconds'] >= max_train_seconds:
-        print(f'Training time budget {max_train_seconds:.0f}s spent at step {step}.', flush=True)
-        break
-      t0 = time.time()
+    while not stop(step, progress['train_seconds']):
+      start = time.time()
       batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
-      state, metrics = train_step(state, batch, teacher_params if token_level else None)
+      state, metrics = train_step(state, batch)
       step += 1
-      if step % log_every == 0 or step == 1:
-        metrics = jax.device_get(metrics)  # Syncs here only, so dispatch stays asynchronous.
-      else:
-        metrics = None
-      progress['train_seconds'] += time.time() - t0
-      window_steps += 1
+      # Syncs on logged steps only, so dispatch stays asynchronous.
+      metrics = jax.device_get(metrics) if log.due(step) else None
+      progress['train_seconds'] += time.time() - start
+      log.count_step()
       if metrics is not None:
-        elapsed = time.time() - window_start
-        tokens = float(metrics['tokens'])
-        record = {
-            'step': step, 'loss': float(metrics['loss']),
-            'cross_entropy': float(metrics['cross_entropy']) / tokens,
-            'z_loss': float(metrics['z_loss']) / tokens,
-            'accuracy': float(metrics['accuracy']) / tokens,
-            'grad_norm': float(metrics['grad_norm']),
-            'learning_rate': float(schedule(step - 1)),
-            'steps_per_second': window_steps / elapsed,
-            'train_seconds': progress['train_seconds'],
-            'epoch': batches.epoch,
-        }
-        if 'kd_loss' in metrics:
-          record['kd_loss'] = float(metrics['kd_loss']) / tokens
-        log(record)
-        print(f'step {step:6d} | loss {record["loss"]:.4f} | ce {record["cross_entropy"]:.4f} | '
-              f'acc {record["accuracy"]:.3f} | lr {record["learning_rate"]:.2e} | '
-              f'{record["steps_per_second"]:.3f} steps/s | epoch {batches.epoch} | '
-              f'{progress["train_seconds"] / 60:.1f} min', flush=True)
-        window_start, window_steps = time.time(), 0
-      if step % checkpoint_every == 0:
-        save(step)
-        last_checkpoint = step
-      if eval_every and step % eval_every == 0:
-        run_eval(step, eval_bleu_examples)
-        window_start, window_steps = time.time(), 0
+        log.train_metrics(step, metrics, progress['train_seconds'], batches.epoch)
+      checkpointer.save_if_due(step, state, progress)
+      if evaluator.due(step):
+        log.write(evaluator.periodic(step, state['params']))
+        log.restart_clock()
   finally:
-    if step != last_checkpoint or manager.latest_step() is None:
-      save(step)
-    manager.wait_until_finished()
-    for s, h in previous_handlers.items():
-      signal.signal(s, h)
+    checkpointer.save_last(step, state, progress)
+  return state, step
 
-  results: Dict[str, Any] = {'step': step, 'train_seconds': progress['train_seconds'],
-                             'parameters': int(n_params),
-                             'decode_flops_per_token': config.decode_flops_per_token()}
-  if not stop.stop:
-    eval_params = state['params']
-    if export_path:
-      size = export_weights(state['params'], config, export_path,
-                            {'step': step, 'train_seconds': progress['train_seconds'],
-                             'distillation': distillation})
-      results['export'] = {'path': str(export_path), 'bytes': size}
-      print(f'Exported bf16 weights to {export_path} ({size / 1e6:.2f} MB).', flush=True)
-      # The final numbers describe what ships: the bf16-rounded weights, loaded back as fp32.
-      eval_params = load_weights(export_path)[1]
-    if final_eval_splits:
-      results['eval'] = run_eval(step, None, tuple(final_eval_splits), eval_params)
-    (model_dir / 'results.json').write_text(json.dumps(results, indent=2))
-  metrics_file.close()
-  manager.close()
-  return {**results, 'state': state}
+
+def _finish(results: Dict[str, Any], params: PyTree, config: network.T5Config,
+            export_path: Optional[str], distillation: str, evaluator: _Evaluator,
+            log: _MetricsLog, model_dir: Path) -> None:
+  """Exports the bf16 weights, evaluates the final splits, writes results.json (and `results`)."""
+  if export_path:
+    size = checkpoints.export_weights(params, config, export_path, {
+        'step': results['step'], 'train_seconds': results['train_seconds'],
+        'distillation': distillation})
+    results['export'] = {'path': str(export_path), 'bytes': size}
+    print(f'Exported bf16 weights to {export_path} ({size / 1e6:.2f} MB).', flush=True)
+    # The final numbers describe what ships: the bf16-rounded weights, loaded back as fp32.
+    params = checkpoints.load_weights(export_path)[1]
+  if evaluator.final_splits:
+    record = evaluator.final(results['step'], params)
+    log.write(record)
+    results['eval'] = record['eval']
+  (model_dir / 'results.json').write_text(json.dumps(results, indent=2))
 
 
 def main(argv: Sequence[str]) -> None:

@@ -35,6 +35,13 @@ def test_t5_1_0_layout_uses_embedding_for_logits():
   flat = flatten_dict(params, sep='/')
   assert 'decoder/logits_dense/kernel' not in flat
   assert flat['encoder/layers_0/mlp/wi/kernel'].shape == (16, 32)
+  network.validate_params(params, cfg)
+  # T5 1.1's tree (two wi kernels, own logits kernel) is not this config's.
+  t5_1_1_params, _ = jax.eval_shape(lambda: network.init_params(tiny_config()))
+  with pytest.raises(ValueError, match=r"^checkpoint does not match T5Config: parameter "
+                     r"'decoder/layers_0/mlp/wi/kernel' is missing from the checkpoint "
+                     r"\(3 missing, 7 unexpected, 0 mis-shaped in all\) \[t5_1_1\]$"):
+    network.validate_params(t5_1_1_params, cfg, 't5_1_1')
 
 
 def _tiny_t5x(t5x_data):

@@ -1,0 +1,212 @@
+"""Greedy evaluation (teacher-forced loss, greedy BLEU), the training losses and distillation data.
+
+What the training job measures and what it learns from, apart from the loop itself (`train.py`):
+
+  * `cross_entropy_with_z_loss` (T5X's loss) and `soft_cross_entropy` (token distillation's KL);
+  * `greedy_translate`: greedy outputs through the decoders' own loop
+    (`decoding.temperature_sample` at temperature 0), in fixed shapes;
+  * `evaluate`: per-token loss and accuracy over a split, and corpus BLEU of greedy outputs;
+  * `sequence_distillation_targets`: a teacher's greedy outputs as a draft's training targets.
+
+Shapes: `batch` rows, `length` token positions, `vocab` output classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speculative_t5x import data
+from speculative_t5x import decoding
+from speculative_t5x import models
+from speculative_t5x import network
+
+Array = jnp.ndarray
+PyTree = Any
+
+
+# ------------------------------------------------------------------------------------------------
+# Losses.
+
+
+def cross_entropy_with_z_loss(logits: Array, targets: Array, weights: Array, z_loss: float,
+                              label_smoothing: float = 0.0) -> Tuple[Array, Dict[str, Array]]:
+  """Summed token cross-entropy + z-loss, T5X's `cross_entropy_with_logits` arithmetic.
+
+  logits [batch, length, vocab] float32, targets [batch, length] int, weights [batch, length].
+  With label smoothing the constant entropy of the smoothed distribution is subtracted (as T5X),
+  so a perfect model has loss 0. Returns (summed loss, metrics summed over tokens).
+  """
+  vocab = logits.shape[-1]
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  log_probs = logits - log_z[..., None]
+  confidence = 1.0 - label_smoothing
+  low = label_smoothing / (vocab - 1)
+  normalizing = -(confidence * math.log(confidence) +
+                  (vocab - 1) * low * math.log(low + 1e-20)) if label_smoothing > 0 else 0.0
+  target_lp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+  if label_smoothing > 0:
+    ce = -(confidence * target_lp + low * (jnp.sum(log_probs, axis=-1) - target_lp)) - normalizing
+  else:
+    ce = -target_lp
+  z = z_loss * jnp.square(log_z)
+  loss = jnp.sum((ce + z) * weights)
+  metrics = {
+      'cross_entropy': jnp.sum(-target_lp * weights),
+      'z_loss': jnp.sum(z * weights),
+      'accuracy': jnp.sum((jnp.argmax(logits, -1) == targets) * weights),
+      'tokens': jnp.sum(weights),
+  }
+  return loss, metrics
+
+
+def soft_cross_entropy(logits: Array, teacher_logits: Array, weights: Array,
+                       temperature: float) -> Array:
+  """Summed token KL(teacher || student) at `temperature`, times T^2 (Hinton et al.'s scaling).
+
+  The teacher's entropy is subtracted so the term is a KL (0 when the distributions agree); it
+  does not change the gradient. logits, teacher_logits [batch, length, vocab]; weights
+  [batch, length].
+  """
+  t_logp = jax.nn.log_softmax(teacher_logits / temperature, axis=-1)
+  s_logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+  kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
+  return jnp.sum(kl * weights) * temperature**2
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy decoding: the decoders' own loop (decoding.temperature_sample at temperature 0).
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'max_length'))
+def _greedy_decode(config: network.T5Config, params: PyTree, encoder_input_tokens: Array,
+                   max_length: int) -> Array:
+  """Greedy outputs [batch, max_length] for encoder_input_tokens [batch, enc_length].
+
+  Each row stops at its EOS (later positions are 0); rows that are all padding decode nothing.
+  """
+  model = models.EncoderDecoderModel(config, decode_fn=decoding.temperature_sample,
+                                     decode_kwargs={'temperature': 0.0}, eos_id=data.EOS_ID)
+  batch = {'encoder_input_tokens': encoder_input_tokens,
+           'decoder_input_tokens': jnp.zeros((encoder_input_tokens.shape[0], max_length),
+                                             jnp.int32)}
+  return model.predict_batch({'target': params}, batch)
+
+
+def greedy_translate(config: network.T5Config, params: PyTree,
+                     token_inputs: Sequence[Sequence[int]], max_input_length: int,
+                     max_length: int, batch_size: int = 128,
+                     log_every: int = 0) -> List[List[int]]:
+  """Greedy token outputs (up to and including EOS) for each tokenized input, in fixed shapes."""
+  outputs = []
+  for start in range(0, len(token_inputs), batch_size):
+    chunk = token_inputs[start:start + batch_size]
+    enc = data.pad_batch(chunk, None, max_input_length, max_length, batch_size)
+    out = np.asarray(_greedy_decode(config, params, jnp.asarray(enc['encoder_input_tokens']),
+                                    max_length))
+    for row in out[:len(chunk)]:
+      row = row.tolist()
+      outputs.append(row[:row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row)
+    if log_every and (start // batch_size) % log_every == 0:
+      print(f'  greedy: {start + len(chunk)}/{len(token_inputs)}', flush=True)
+  return outputs
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+def evaluate(config: network.T5Config, params: PyTree, sources: Sequence[str],
+             references: Sequence[str], max_input_length: int, max_target_length: int,
+             batch_size: int = 128, loss_batches: bool = True,
+             bleu_examples: Optional[int] = None) -> Dict[str, float]:
+  """Per-token loss / accuracy (teacher forced) over all pairs, and greedy BLEU on the first
+  `bleu_examples` (all when None)."""
+  inputs, targets = data.tokenize_pairs(sources, references, max_input_length, max_target_length)
+  results = {}
+  if loss_batches:
+    totals = {'cross_entropy': 0.0, 'accuracy': 0.0, 'tokens': 0.0}
+    for start in range(0, len(inputs), batch_size):
+      batch = data.pad_batch(inputs[start:start + batch_size], targets[start:start + batch_size],
+                             max_input_length, max_target_length, batch_size)
+      metrics = _eval_step(config, params, {k: jnp.asarray(v) for k, v in batch.items()})
+      for k in totals:
+        totals[k] += float(metrics[k])
+    results['loss'] = totals['cross_entropy'] / totals['tokens']
+    results['accuracy'] = totals['accuracy'] / totals['tokens']
+  n = len(inputs) if bleu_examples is None else min(bleu_examples, len(inputs))
+  if n:
+    outputs = greedy_translate(config, params, inputs[:n], max_input_length, max_target_length,
+                               batch_size)
+    results['bleu'] = data.corpus_bleu(data.decode(outputs), references[:n])
+    results['bleu_examples'] = n
+  return results
+
+
+@functools.partial(jax.jit, static_argnames=('config',))
+def _eval_step(config: network.T5Config, params: PyTree,
+               batch: Dict[str, Array]) -> Dict[str, Array]:
+  """Teacher-forced metrics of one padded batch, summed over tokens (no dropout, no z-loss)."""
+  logits = network.Transformer(config).apply(
+      {'params': params}, batch['encoder_input_tokens'], batch['decoder_input_tokens'],
+      batch['decoder_target_tokens'], enable_dropout=False)
+  _, metrics = cross_entropy_with_z_loss(logits, batch['decoder_target_tokens'],
+                                         batch['decoder_loss_weights'], 0.0)
+  return metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# Sequence-level distillation data.
+
+
+def sequence_distillation_targets(teacher_config: network.T5Config, teacher_params: PyTree,
+                                  inputs: Sequence[Sequence[int]], max_input_length: int,
+                                  max_target_length: int, cache_path: Optional[os.PathLike] = None,
+                                  batch_size: int = 256) -> List[List[int]]:
+  """The teacher's greedy outputs (ending in EOS) for tokenized inputs, cached in an .npz file.
+
+  This is BiLD's "aligned" training set: the draft learns what the target would say, which is
+  what speculative decoding accepts. Outputs that hit max_target_length without EOS get EOS as
+  their last token (as truncation does for real targets). The cache is keyed by the number of
+  inputs and a checksum of them, so a stale file is recomputed.
+  """
+  checksum = int(sum((i + 1) * sum(x) for i, x in enumerate(inputs[:1000])) % (2**31))
+  if cache_path is not None and Path(cache_path).exists():
+    cached = np.load(cache_path)
+    if int(cached['num']) == len(inputs) and int(cached['checksum']) == checksum:
+      tokens, lengths = cached['tokens'], cached['lengths']
+      return [tokens[i, :lengths[i]].tolist() for i in range(len(lengths))]
+    print(f'Distillation cache {cache_path} does not match the inputs; recomputing.', flush=True)
+  start = time.time()
+  # Decode in order of input length: a batch's loop runs until its longest output ends, and
+  # output length follows input length, so sorted batches waste far fewer steps on finished rows.
+  order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+  sorted_outputs = greedy_translate(teacher_config, teacher_params, [inputs[i] for i in order],
+                                    max_input_length, max_target_length, batch_size,
+                                    log_every=20)
+  outputs: List[List[int]] = [[] for _ in inputs]
+  for i, row in zip(order, sorted_outputs):
+    outputs[i] = row
+  fixed = []
+  for row in outputs:
+    if not row or row[-1] != data.EOS_ID:
+      row = row[:max_target_length - 1] + [data.EOS_ID]
+    fixed.append(row)
+  print(f'Sequence distillation: {len(fixed)} greedy outputs in {time.time() - start:.0f}s.',
+        flush=True)
+  if cache_path is not None:
+    tokens = np.zeros((len(fixed), max_target_length), np.int32)
+    for i, row in enumerate(fixed):
+      tokens[i, :len(row)] = row
+    Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez(cache_path, tokens=tokens, lengths=np.array([len(r) for r in fixed], np.int32),
+             num=len(fixed), checksum=checksum)
+  return fixed
