@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import inspect
 import json
 import sys
 import time
@@ -239,6 +240,26 @@ def _decode_fn_name(fn: Any) -> str:
   return getattr(getattr(fn, 'func', fn), '__name__', str(fn))
 
 
+def _row_temperatures(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
+                      examples: Sequence[inputs.Example]) -> Optional[float]:
+  """None when no input has its own temperature; else the temperature of those that do not
+  (the decoder's). InferError for a decoder without one (beam search)."""
+  if all(ex.temperature is None for ex in examples):
+    return None
+  fn = getattr(model.decode_fn, 'func', model.decode_fn)
+  parameter = inspect.signature(fn).parameters.get('temperature')
+  if parameter is None:
+    raise InferError(f'inputs with a "temperature" need a sampling decoder; '
+                     f'{_decode_fn_name(fn)} has no temperature')
+  default = decode_kwargs.get('temperature', parameter.default)
+  return float(default)
+
+
+def _key_tokens(ex: inputs.Example) -> Any:
+  """What of an example fixes its decode: its tokens, and its temperature when it has one."""
+  return ex.tokens if ex.temperature is None else [ex.tokens, ex.temperature]
+
+
 # ------------------------------------------------------------------------------------------------
 # The job.
 
@@ -325,9 +346,10 @@ def infer(*,
   examples, report = inputs.read_examples(
       input_file, input_format, mixture_or_task_name, split, mixture_or_task_module,
       model.input_vocabulary or vocabulary, job.input_length, shard_id, num_shards)
+  default_temperature = _row_temperatures(model, decode_kwargs, examples)
   store.claim(chunks.run_key(gin.config_str(), [ex.index for ex in examples],
-                             [ex.tokens for ex in examples], job.num_processes, num_decodes),
-              write=job.process == 0)
+                             [_key_tokens(ex) for ex in examples], job.num_processes,
+                             num_decodes), write=job.process == 0)
   dtype = _resolve_dtype(dtype)
   model = _with_activation_dtype(model, dtype)
   params, load_seconds = _load_pair(model, target_checkpoint_path, draft_checkpoint_path, dtype,
@@ -336,7 +358,8 @@ def infer(*,
   decoding_policy, decoders = policy.plan(model, decode_kwargs, -(-len(examples) // batch_size),
                                           max_gamma, auto_min_batches)
   predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes)
-  run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), input_length_step)
+  run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), input_length_step,
+             default_temperature)
   run.compile_first(examples)
   run.compile_seconds = time.time() - compile_start
   resumed = run.decode_chunks(store, examples, vocabulary, output_ids, progress, chunk_hook)
@@ -389,9 +412,12 @@ class _Run:
   """The decoding of one job: batches, the compiled predictor, the policy, and their times."""
 
   def __init__(self, job: Job, predictor: pipeline.Predictor,
-               decoding_policy: policy.DecodingPolicy, rng: jax.Array, input_length_step: int):
+               decoding_policy: policy.DecodingPolicy, rng: jax.Array, input_length_step: int,
+               default_temperature: Optional[float] = None):
     self.job, self.predictor, self.policy, self.rng = job, predictor, decoding_policy, rng
     self.input_length_step = input_length_step
+    # Set when inputs carry their own temperatures: the temperature of the rows that do not.
+    self.default_temperature = default_temperature
     self.compile_seconds = 0.0
     self.calibration_seconds = 0.0
 
@@ -406,10 +432,16 @@ class _Run:
     enc = np.zeros((self.job.local_batch, width), np.int32)
     for row, ex in enumerate(self.job.mine(rows)):
       enc[row, :len(ex.tokens)] = ex.tokens
-    return partitioning.shard_batch({
-        'encoder_input_tokens': enc,
-        'decoder_input_tokens': np.zeros((self.job.local_batch, self.job.target_length),
-                                         np.int32)}, self.job.partitioner.mesh)
+    batch = {'encoder_input_tokens': enc,
+             'decoder_input_tokens': np.zeros((self.job.local_batch, self.job.target_length),
+                                              np.int32)}
+    if self.default_temperature is not None:
+      batch[models.TEMPERATURE_FEATURE] = np.full((self.job.local_batch,),
+                                                  self.default_temperature, np.float32)
+      for row, ex in enumerate(self.job.mine(rows)):
+        if ex.temperature is not None:
+          batch[models.TEMPERATURE_FEATURE][row] = ex.temperature
+    return partitioning.shard_batch(batch, self.job.partitioner.mesh)
 
   def predict(self, choice: Optional[int], batch: Any, rng: Optional[jax.Array] = None) -> Any:
     """Decodes one batch; a width met for the first time is compiled first (counted apart)."""

@@ -28,6 +28,7 @@ class Example:
   inputs: str
   targets: Optional[str] = None
   tokens: Optional[List[int]] = None
+  temperature: Optional[float] = None  # this input's own sampling temperature (JSONL)
 
 
 @dataclasses.dataclass
@@ -74,7 +75,7 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
     except UnicodeDecodeError as e:
       raise InferError(f'{where}: undecodable bytes (not UTF-8) at byte {e.start}: '
                        f'{line[e.start:e.start + 4]!r}') from None
-    targets = None
+    targets, temperature = None, None
     if fmt == 'tsv':
       fields = text.split('\t')
       if len(fields) > 2:  # dropping the rest would lose data silently
@@ -96,12 +97,23 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
       text, targets = obj['inputs'], obj.get('targets')
       if targets is not None and not isinstance(targets, str):
         raise InferError(f'{where}: "targets" must be a string')
+      temperature = _temperature(obj.get('temperature'), where)
     if not text.strip():
       report.skipped_empty.append(i)
       logging.warning('%s: empty input skipped', where)
       continue
-    examples.append(Example(i, text, targets))
+    examples.append(Example(i, text, targets, temperature=temperature))
   return examples
+
+
+def _temperature(value: Any, where: str) -> Optional[float]:
+  """A JSONL record's "temperature": absent, or a number >= 0 (0 = greedy)."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    raise InferError(f'{where}: "temperature" must be a number >= 0 (0 = greedy), got '
+                     f'{value!r}')
+  return float(value)
 
 
 def read_task(name: str, split: str, module: Optional[str] = None) -> List[Example]:

@@ -24,6 +24,11 @@ Array = jnp.ndarray
 Params = Mapping[str, Any]
 
 
+# An optional batch feature: each row's sampling temperature, [batch] float32 (0 = greedy); it
+# overrides the decoder's `temperature` (the infer job fills it from the inputs' "temperature").
+TEMPERATURE_FEATURE = 'decoder_temperature'
+
+
 def make_tokens_to_logits(module: network.Transformer, params: Params,
                           decode_variables: Optional[Mapping[str, Any]] = None
                           ) -> decoding.TokensToLogits:
@@ -169,6 +174,8 @@ class EncoderDecoderModel:
     With return_all_decodes, decodes are [batch, num_decodes, length] sorted best last.
     aux: 'scores' ([batch] or [batch, num_decodes]) and, for the draft-verify loops,
     'stats': per-row `decoding.DecodeStats` fields as a dict.
+    batch: encoder_input_tokens [batch, input_length], decoder_input_tokens [batch, length],
+    optionally `TEMPERATURE_FEATURE` [batch] (per-row temperatures).
     Jittable; `decode_fn` and `decoder_params` are static.
     """
     if self.uses_draft:
@@ -181,6 +188,8 @@ class EncoderDecoderModel:
     else:
       inputs = jnp.zeros_like(decoder_input_tokens)
     kwargs = {**self.decode_kwargs, **(decoder_params or {})}
+    if TEMPERATURE_FEATURE in batch:  # per-row temperatures, traced: no recompilation
+      kwargs['temperature'] = batch[TEMPERATURE_FEATURE]
     kwargs.update(
         inputs=inputs, eos_id=self.eos_id, num_decodes=num_decodes, decode_rng=rng,
         cache=self._init_cache(self.module, params['target'], encoder_input_tokens, max_length),

@@ -23,6 +23,7 @@ from speculative_t5x import models
 from speculative_t5x import network
 from conftest import data_dir
 from fast_params import random_params
+import infer_hooks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = REPO / 'speculative_t5x' / 'vocab' / 'multi30k_8k.model'
@@ -260,6 +261,56 @@ def test_sigkill_and_resume_equals_uninterrupted_run(setup, tmp_path):
   got, want = _outputs(killed_dir), _outputs(full_dir)
   assert [r['index'] for r in got] == list(range(120))
   assert got == want
+
+
+def test_stopped_sampling_job_resumes_to_the_uninterrupted_samples(setup, tmp_path):
+  """Sampling (temperature 1): each batch's key depends only on its chunk and batch numbers,
+  so a job stopped after chunk 1 and resumed writes exactly the uninterrupted job's samples."""
+
+  def stop_after_chunk_1(chunk):
+    if chunk == 1:
+      raise infer_hooks.Stopped(chunk)
+
+  sampling = lambda: _model(decode_kwargs={'gamma': 3, 'temperature': 1.0})
+  with pytest.raises(infer_hooks.Stopped):
+    _infer(setup, tmp_path / 'stopped', setup / 'in.txt', model=sampling(),
+           chunk_hook=stop_after_chunk_1)
+  resumed = _infer(setup, tmp_path / 'stopped', setup / 'in.txt', model=sampling())
+  assert resumed['resumed_chunks'] == 2
+  _infer(setup, tmp_path / 'full', setup / 'in.txt', model=sampling())
+  got, want = _outputs(tmp_path / 'stopped'), _outputs(tmp_path / 'full')
+  assert got == want and len(got) == 12
+  greedy = _infer(setup, tmp_path / 'greedy', setup / 'in.txt')
+  assert [r['prediction'] for r in got] != [r['prediction'] for r in _outputs(tmp_path / 'greedy')]
+
+
+def test_per_row_temperature_from_the_input_records(setup, tmp_path):
+  """JSONL records may carry their own "temperature": rows at 0 decode greedily (the greedy
+  job's predictions), rows at 1 sample; rows without one use the decoder's temperature."""
+  lines = (setup / 'in.txt').read_text(encoding='utf-8').splitlines()
+  temperatures = [0.0, 1.0, None] * 4
+  records = [{'inputs': line, **({} if t is None else {'temperature': t})}
+             for line, t in zip(lines, temperatures)]
+  source = tmp_path / 'rows.json'  # JSONL; a '.jsonl' name would match _outputs' glob twice
+  source.write_text(''.join(json.dumps(r) + '\n' for r in records), encoding='utf-8')
+  greedy = _infer(setup, tmp_path / 'greedy', setup / 'in.txt')  # the same lines, greedy
+  mixed = _infer(setup, tmp_path / 'mixed', source,
+                 model=_model(decode_kwargs={'gamma': 3, 'temperature': 0.0}))
+  sampled = _infer(setup, tmp_path / 'sampled', source,
+                   model=_model(decode_kwargs={'gamma': 3, 'temperature': 1.0}))
+  assert greedy['examples'] == mixed['examples'] == sampled['examples'] == 12
+  want = [r['prediction'] for r in _outputs(tmp_path / 'greedy')]
+  got = [r['prediction'] for r in _outputs(tmp_path / 'mixed')]
+  at_zero = [i for i, t in enumerate(temperatures) if t in (0.0, None)]
+  assert [got[i] for i in at_zero] == [want[i] for i in at_zero]
+  assert any(got[i] != want[i] for i, t in enumerate(temperatures) if t == 1.0)
+  # Rows without a temperature follow the decoder's: now 1, so they sample too.
+  other = [r['prediction'] for r in _outputs(tmp_path / 'sampled')]
+  assert [other[i] for i in range(0, 12, 3)] == [want[i] for i in range(0, 12, 3)]
+  assert any(other[i] != want[i] for i in range(2, 12, 3))
+  source.write_text(json.dumps({'inputs': 'x', 'temperature': -1}) + '\n')
+  with pytest.raises(infer.InferError, match='"temperature" must be a number >= 0'):
+    _infer(setup, tmp_path / 'bad', source)
 
 
 # ------------------------------------------------------------------------------------------------
