@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from absl import logging
+
 from speculative_t5x.errors import InferError
 
 MODE = 'predict_with_aux'
@@ -74,6 +76,7 @@ class ChunkStore:
   def completed_summary(self) -> Optional[Dict[str, Any]]:
     """The summary of a finished run of this job, or None."""
     if self.completed_path.exists() and self.summary_path.exists():
+      logging.info('%s is complete; nothing to do.', self.output_path)
       return json.loads(self.summary_path.read_text())
     return None
 

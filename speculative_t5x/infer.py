@@ -26,6 +26,41 @@ chunk in flight and duplicates nothing. Every batch has the same shape (the last
 the predict function is compiled once; its random key depends only on the chunk and batch
 numbers, so a resumed run samples exactly what an uninterrupted one would.
 
+Settings (gin: `infer_script.infer.NAME`; T5X's macros in gin_configs/runs/infer.gin bind most):
+
+  model: the target/draft model; its decode_fn and gin-bound decoding arguments decide the
+    algorithm. Draft-using decoders need DRAFT_CONFIG and draft_checkpoint_path.
+  output_dir: where outputs, chunks, summary and configs go (created if needed).
+  target_checkpoint_path / draft_checkpoint_path: any format `checkpoints.load_checkpoint`
+    reads; each is checked against its config.
+  task_feature_lengths: {'inputs': encoder length, 'targets': maximum output length}.
+  input_length_step: 0 pads every batch's inputs to task_feature_lengths['inputs'] (T5X's
+    shapes); > 0 pads each batch only to its longest input rounded up to a multiple of it:
+    the encoder and every step's cross-attention skip the rest of the padding (outputs
+    unchanged), at one compilation per width met, when first met (counted in
+    compile_seconds). Pays on long jobs of short inputs.
+  mixture_or_task_name / mixture_or_task_module / split: a seqio source; or
+  input_file / input_format ('auto' by extension, 'text', 'tsv', 'jsonl').
+  batch_size: global batch size (a multiple of the mesh's 'data' size).
+  checkpoint_period: batches per committed output chunk.
+  partitioner: mesh and logical axis rules (default: all devices on 'data').
+  shard_id / num_shards: this job's share when several independent jobs split the input.
+  output_ids: also write `prediction_tokens`.
+  dtype: activation and parameter dtype: 'auto' (float32 on CPU, else bfloat16), a dtype
+    name, or None to keep the configs' dtypes and the checkpoints' parameter dtypes.
+  seed: base of the per-batch random keys (sampling decoders).
+  num_decodes: decodes per example, T5X's `predict_batch_with_aux(num_decodes=...)`: the beam
+    size of beam_search / speculative_beam_search, samples per example otherwise; the best
+    (highest score) is written.
+  max_gamma: with gamma='auto' (`decoding.speculative_sample.gamma = 'auto'`), the largest
+    gamma tried: gammas 0 (target alone) to max_gamma are compiled and timed on the first
+    batches, then each batch uses the one `policy.GammaTuner` predicts fastest (recorded
+    per example as stats.gamma, and in the summary). Jobs of fewer than auto_min_batches
+    batches skip that and use policy.FALLBACK_GAMMA.
+  progress: show a progress bar (process 0).
+  chunk_hook: called with a chunk's number right after it is committed (tests stop a job
+    at a known chunk through it; monitoring may count progress).
+
 Bad input gives one line on stderr and exit status 1 (or a logged, counted skip for empty
 lines); see `InferError`.
 """
@@ -63,9 +98,10 @@ from speculative_t5x import partitioning
 from speculative_t5x import pipeline
 from speculative_t5x import policy
 from speculative_t5x.errors import InferError
-# The job's public names, where its users and T5X's layout expect them.
-from speculative_t5x.data import PAD_ID, SentencePieceVocabulary  # pylint: disable=unused-import
-from speculative_t5x.inputs import Example, InputReport, read_input_file, read_task, tokenize  # pylint: disable=unused-import
+from speculative_t5x.data import PAD_ID
+# The vocabulary class gin files name `vocabularies.SentencePieceVocabulary`, also here for
+# code that built it from this module.
+from speculative_t5x.data import SentencePieceVocabulary  # pylint: disable=unused-import
 
 # How many skipped/truncated example positions the summary lists (the counts are complete).
 _MAX_LISTED = 50
@@ -87,15 +123,27 @@ gin.external_configurable(partitioning.standard_logical_axis_rules, module='part
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """What the job's settings fix before anything is read: shapes, mesh, processes, names."""
+  """The job's settings, checked, and what they fix before anything is read: shapes, mesh,
+  processes, names (the infer job's `DatasetConfig`)."""
   name: str
+  input_file: Optional[str]
+  input_format: str
+  task: Optional[str]
+  task_module: Optional[str]
+  split: str
   input_length: int
   target_length: int
+  input_length_step: int
   batch_size: int
   checkpoint_period: int
+  shard_id: int
+  num_shards: int
   partitioner: partitioning.Partitioner
   process: int
   num_processes: int
+  seed: int = 0
+  num_decodes: int = 1
+  dtype: Optional[jnp.dtype] = None
 
   @property
   def local_batch(self) -> int:
@@ -105,11 +153,23 @@ class Job:
     """This process's share of a global batch's rows."""
     return rows[self.process * self.local_batch:(self.process + 1) * self.local_batch]
 
+  def summary(self) -> Dict[str, Any]:
+    """The settings as the run summary records them."""
+    return {'source': self.input_file or f'{self.task}:{self.split}',
+            'task_feature_lengths': {'inputs': self.input_length, 'targets': self.target_length},
+            'input_length_step': self.input_length_step, 'batch_size': self.batch_size,
+            'checkpoint_period': self.checkpoint_period, 'mesh': dict(self.partitioner.mesh.shape),
+            'processes': self.num_processes, 'devices': jax.device_count(),
+            'backend': jax.default_backend(),
+            'dtype': str(self.dtype) if self.dtype is not None else None, 'seed': self.seed,
+            'num_decodes': self.num_decodes, 'shard': [self.shard_id, self.num_shards]}
+
 
 def _check_job(task_feature_lengths: Any, task: Optional[str], input_file: Optional[str],
                shard_id: int, num_shards: int, batch_size: int, checkpoint_period: int,
-               partitioner: Optional[partitioning.Partitioner]) -> Job:
-  """The job's settings checked (InferError naming the setting), before anything is loaded."""
+               partitioner: Optional[partitioning.Partitioner], **settings: Any) -> Job:
+  """The job's settings checked (InferError naming the setting), before anything is loaded.
+  settings: the rest of `Job`'s fields, as `infer` names them."""
   if (task is None) == (input_file is None):
     raise InferError('set exactly one of MIXTURE_OR_TASK_NAME and INPUT_FILE')
   for key in ('inputs', 'targets'):
@@ -121,9 +181,13 @@ def _check_job(task_feature_lengths: Any, task: Optional[str], input_file: Optio
   for name, value in (('batch_size', batch_size), ('checkpoint_period', checkpoint_period)):
     if not isinstance(value, int) or value < 1:
       raise InferError(f'infer_script.infer.{name} must be a whole number >= 1, got {value!r}')
-  return Job(task or Path(input_file).name, int(task_feature_lengths['inputs']),
-             int(task_feature_lengths['targets']), batch_size, checkpoint_period,
-             partitioner or partitioning.Partitioner(), jax.process_index(), jax.process_count())
+  return Job(name=task or Path(input_file).name, input_file=input_file, task=task,
+             input_length=int(task_feature_lengths['inputs']),
+             target_length=int(task_feature_lengths['targets']), batch_size=batch_size,
+             checkpoint_period=checkpoint_period, shard_id=shard_id, num_shards=num_shards,
+             partitioner=partitioner or partitioning.Partitioner(),
+             process=jax.process_index(), num_processes=jax.process_count(),
+             **{**settings, 'dtype': _resolve_dtype(settings.get('dtype'))})
 
 
 def _check_batching(job: Job) -> None:
@@ -265,107 +329,53 @@ def _key_tokens(ex: inputs.Example) -> Any:
 
 
 @gin.configurable(module='infer_script')
-def infer(*,
-          model: models.EncoderDecoderModel = gin.REQUIRED,
-          output_dir: str = gin.REQUIRED,
-          target_checkpoint_path: str = gin.REQUIRED,
-          draft_checkpoint_path: Optional[str] = None,
-          task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
-          input_length_step: int = 0,
+def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str = gin.REQUIRED,
+          target_checkpoint_path: str = gin.REQUIRED, draft_checkpoint_path: Optional[str] = None,
+          task_feature_lengths: Mapping[str, int] = gin.REQUIRED, input_length_step: int = 0,
           mixture_or_task_name: Optional[str] = None,
-          mixture_or_task_module: Optional[str] = None,
-          input_file: Optional[str] = None,
-          input_format: str = 'auto',
-          split: str = 'test',
-          batch_size: int = 32,
-          checkpoint_period: int = 4,
-          partitioner: Optional[partitioning.Partitioner] = None,
-          shard_id: int = 0,
-          num_shards: int = 1,
-          output_ids: bool = False,
-          dtype: Optional[str] = 'auto',
-          seed: int = 0,
-          num_decodes: int = 1,
-          max_gamma: int = policy.MAX_GAMMA,
-          auto_min_batches: int = policy.MIN_BATCHES,
+          mixture_or_task_module: Optional[str] = None, input_file: Optional[str] = None,
+          input_format: str = 'auto', split: str = 'test', batch_size: int = 32,
+          checkpoint_period: int = 4, partitioner: Optional[partitioning.Partitioner] = None,
+          shard_id: int = 0, num_shards: int = 1, output_ids: bool = False,
+          dtype: Optional[str] = 'auto', seed: int = 0, num_decodes: int = 1,
+          max_gamma: int = policy.MAX_GAMMA, auto_min_batches: int = policy.MIN_BATCHES,
           progress: bool = True,
           chunk_hook: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
   """Decodes every example of a task split or file; returns (and writes) the run summary.
-
-  Args:
-    model: the target/draft model; its decode_fn and gin-bound decoding arguments decide the
-      algorithm. Draft-using decoders need DRAFT_CONFIG and draft_checkpoint_path.
-    output_dir: where outputs, chunks, summary and configs go (created if needed).
-    target_checkpoint_path / draft_checkpoint_path: any format `checkpoints.load_checkpoint`
-      reads; each is checked against its config.
-    task_feature_lengths: {'inputs': encoder length, 'targets': maximum output length}.
-    input_length_step: 0 pads every batch's inputs to task_feature_lengths['inputs'] (T5X's
-      shapes); > 0 pads each batch only to its longest input rounded up to a multiple of it:
-      the encoder and every step's cross-attention skip the rest of the padding (outputs
-      unchanged), at one compilation per width met, when first met (counted in
-      compile_seconds). Pays on long jobs of short inputs.
-    mixture_or_task_name / mixture_or_task_module / split: a seqio source; or
-    input_file / input_format ('auto' by extension, 'text', 'tsv', 'jsonl').
-    batch_size: global batch size (a multiple of the mesh's 'data' size).
-    checkpoint_period: batches per committed output chunk.
-    partitioner: mesh and logical axis rules (default: all devices on 'data').
-    shard_id / num_shards: this job's share when several independent jobs split the input.
-    output_ids: also write `prediction_tokens`.
-    dtype: activation and parameter dtype: 'auto' (float32 on CPU, else bfloat16), a dtype
-      name, or None to keep the configs' dtypes and the checkpoints' parameter dtypes.
-    seed: base of the per-batch random keys (sampling decoders).
-    num_decodes: decodes per example, T5X's `predict_batch_with_aux(num_decodes=...)`: the beam
-      size of beam_search / speculative_beam_search, samples per example otherwise; the best
-      (highest score) is written.
-    max_gamma: with gamma='auto' (`decoding.speculative_sample.gamma = 'auto'`), the largest
-      gamma tried: gammas 0 (target alone) to max_gamma are compiled and timed on the first
-      batches, then each batch uses the one `policy.GammaTuner` predicts fastest (recorded
-      per example as stats.gamma, and in the summary). Jobs of fewer than auto_min_batches
-      batches skip that and use policy.FALLBACK_GAMMA.
-    progress: show a progress bar (process 0).
-    chunk_hook: called with a chunk's number right after it is committed (tests stop a job
-      at a known chunk through it; monitoring may count progress).
-  """
+  Each setting is described in this module's docstring ("Settings")."""
   wall_start = time.time()
   job = _check_job(task_feature_lengths, mixture_or_task_name, input_file, shard_id, num_shards,
-                   batch_size, checkpoint_period, partitioner)
-  output_dir = Path(output_dir)
-  chunks.check_writable(output_dir)
+                   batch_size, checkpoint_period, partitioner, input_format=input_format,
+                   task_module=mixture_or_task_module, split=split, seed=seed, dtype=dtype,
+                   input_length_step=input_length_step, num_decodes=num_decodes)
+  chunks.check_writable(Path(output_dir))
   _check_batching(job)
   vocabulary = _check_vocabularies(model)
   decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
   _check_decoding(model, decode_kwargs, num_decodes, max_gamma)
-  store = chunks.ChunkStore(output_dir, job.name, shard_id, num_shards, job.num_processes)
+  store = chunks.ChunkStore(Path(output_dir), job.name, shard_id, num_shards, job.num_processes)
   if job.process == 0:
-    chunks.atomic_write(output_dir / 'config.gin', gin.config_str())
-  done = store.completed_summary()
-  if done is not None:
-    logging.info('%s is complete; nothing to do.', store.output_path)
-    return done
-
-  examples, report = inputs.read_examples(
-      input_file, input_format, mixture_or_task_name, split, mixture_or_task_module,
-      model.input_vocabulary or vocabulary, job.input_length, shard_id, num_shards)
+    chunks.atomic_write(Path(output_dir) / 'config.gin', gin.config_str())
+  if store.completed_summary() is not None:
+    return store.completed_summary()
+  examples, report = _read(job, model.input_vocabulary or vocabulary)
   default_temperature = _row_temperatures(model, decode_kwargs, examples)
   store.claim(chunks.run_key(gin.config_str(), [ex.index for ex in examples],
                              [_key_tokens(ex) for ex in examples], job.num_processes,
                              num_decodes), write=job.process == 0)
-  dtype = _resolve_dtype(dtype)
-  model = _with_activation_dtype(model, dtype)
-  params, load_seconds = _load_pair(model, target_checkpoint_path, draft_checkpoint_path, dtype,
-                                    job.partitioner)
+  model = _with_activation_dtype(model, job.dtype)
+  params, load_seconds = _load_pair(model, target_checkpoint_path, draft_checkpoint_path,
+                                    job.dtype, job.partitioner)
   compile_start = time.time()
   decoding_policy, decoders = policy.plan(model, decode_kwargs, -(-len(examples) // batch_size),
                                           max_gamma, auto_min_batches)
   predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes)
-  run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), input_length_step,
-             default_temperature)
+  run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), default_temperature)
   run.compile_first(examples)
   run.compile_seconds = time.time() - compile_start
   resumed = run.decode_chunks(store, examples, vocabulary, output_ids, progress, chunk_hook)
   if job.process != 0:
     return {}
-
   records, decode_seconds = store.merge(run.num_chunks(examples), [ex.index for ex in examples])
   summary = _summary(records, model, report, {
       'wall_seconds': time.time() - wall_start, 'compile_seconds': run.compile_seconds,
@@ -374,18 +384,17 @@ def infer(*,
       'calibration_seconds': run.calibration_seconds}, {
           'target_checkpoint': target_checkpoint_path,
           'draft_checkpoint': draft_checkpoint_path if model.uses_draft else None,
-          'source': input_file or f'{mixture_or_task_name}:{split}',
-          'task_feature_lengths': {'inputs': job.input_length, 'targets': job.target_length},
-          'input_length_step': input_length_step, 'batch_size': batch_size,
-          'checkpoint_period': checkpoint_period, 'mesh': dict(job.partitioner.mesh.shape),
-          'processes': job.num_processes, 'devices': jax.device_count(),
-          'backend': jax.default_backend(), 'dtype': str(dtype) if dtype is not None else None,
-          'seed': seed, 'num_decodes': num_decodes, 'shard': [shard_id, num_shards]})
+          **job.summary()})
   summary['gamma_auto'] = _gamma_summary(records, decoding_policy)
   store.finish(records, summary, gin.operative_config_str())
-  logging.info('Wrote %d predictions to %s; summary %s', len(records), store.output_path,
-               store.summary_path)
+  logging.info('Wrote %d predictions to %s', len(records), store.output_path)
   return summary
+
+
+def _read(job: Job, vocabulary: Any) -> Tuple[List[inputs.Example], inputs.InputReport]:
+  return inputs.read_examples(job.input_file, job.input_format, job.task, job.split,
+                              job.task_module, vocabulary, job.input_length, job.shard_id,
+                              job.num_shards)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,10 +421,9 @@ class _Run:
   """The decoding of one job: batches, the compiled predictor, the policy, and their times."""
 
   def __init__(self, job: Job, predictor: pipeline.Predictor,
-               decoding_policy: policy.DecodingPolicy, rng: jax.Array, input_length_step: int,
+               decoding_policy: policy.DecodingPolicy, rng: jax.Array,
                default_temperature: Optional[float] = None):
     self.job, self.predictor, self.policy, self.rng = job, predictor, decoding_policy, rng
-    self.input_length_step = input_length_step
     # Set when inputs carry their own temperatures: the temperature of the rows that do not.
     self.default_temperature = default_temperature
     self.compile_seconds = 0.0
@@ -428,7 +436,7 @@ class _Run:
     """This process's rows of the global batch `rows`, padded and sharded; the encoder width
     comes from all of `rows`, so that every process builds the same global shape."""
     width = data.input_width([ex.tokens for ex in rows], self.job.input_length,
-                             self.input_length_step)
+                             self.job.input_length_step)
     enc = np.zeros((self.job.local_batch, width), np.int32)
     for row, ex in enumerate(self.job.mine(rows)):
       enc[row, :len(ex.tokens)] = ex.tokens

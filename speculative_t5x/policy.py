@@ -22,7 +22,6 @@ alone; the infer job records the gamma of every batch.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import time

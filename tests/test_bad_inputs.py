@@ -118,7 +118,11 @@ def test_batch_size_must_divide_over_the_mesh_and_the_processes():
   class TwoDataShards:
     data_size = 2
 
-  job = lambda batch, processes: infer.Job('x', 8, 8, batch, 1, TwoDataShards(), 0, processes)
+  job = lambda batch, processes: infer.Job(
+      name='x', input_file='x', input_format='auto', task=None, task_module=None, split='test',
+      input_length=8, target_length=8, input_length_step=0, batch_size=batch,
+      checkpoint_period=1, shard_id=0, num_shards=1, partitioner=TwoDataShards(), process=0,
+      num_processes=processes)
   infer._check_batching(job(4, 2))
   with pytest.raises(InferError, match='batch_size 3 must be a multiple of the mesh data size 2'):
     infer._check_batching(job(3, 1))

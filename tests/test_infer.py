@@ -7,7 +7,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import infer
+from speculative_t5x import inputs
 from speculative_t5x import models
 from speculative_t5x import network
 from conftest import data_dir
@@ -193,8 +193,8 @@ def test_input_length_step_keeps_the_predictions(setup, tmp_path):
   assert sorted(rounded['gamma_auto']['batch_ms']) == [0, 1]
   assert [r['prediction'] for r in _outputs(tmp_path / 'rounded')] == [
       r['prediction'] for r in _outputs(tmp_path / 'full')]
-  examples = infer.read_input_file(source)
-  infer.tokenize(examples, _model().input_vocabulary, 32, infer.InputReport())
+  examples = inputs.read_input_file(source)
+  inputs.tokenize(examples, _model().input_vocabulary, 32, inputs.InputReport())
   widths = {data.input_width([ex.tokens for ex in examples[b:b + 2]], 32, 8)
             for b in range(0, 6, 2)}
   assert len(widths) > 1, widths  # the job met several widths
@@ -212,8 +212,8 @@ def test_beam_size_reaches_the_decoder(setup, tmp_path):
     assert summary['config']['num_decodes'] == 3
     outputs[name] = [r['prediction_tokens'] for r in _outputs(tmp_path / name)]
   assert outputs['speculative_beam'] == outputs['beam']
-  examples = infer.read_input_file(source)
-  infer.tokenize(examples, _model().input_vocabulary, 32, infer.InputReport())
+  examples = inputs.read_input_file(source)
+  inputs.tokenize(examples, _model().input_vocabulary, 32, inputs.InputReport())
   enc = np.zeros((len(examples), 32), np.int32)
   for row, ex in enumerate(examples):
     enc[row, :len(ex.tokens)] = ex.tokens
@@ -280,7 +280,7 @@ def test_stopped_sampling_job_resumes_to_the_uninterrupted_samples(setup, tmp_pa
   _infer(setup, tmp_path / 'full', setup / 'in.txt', model=sampling())
   got, want = _outputs(tmp_path / 'stopped'), _outputs(tmp_path / 'full')
   assert got == want and len(got) == 12
-  greedy = _infer(setup, tmp_path / 'greedy', setup / 'in.txt')
+  _infer(setup, tmp_path / 'greedy', setup / 'in.txt')
   assert [r['prediction'] for r in got] != [r['prediction'] for r in _outputs(tmp_path / 'greedy')]
 
 
@@ -433,19 +433,19 @@ def test_seqio_task_without_the_data_extra_names_it(setup, tmp_path, monkeypatch
 def test_read_input_formats(tmp_path):
   jsonl = tmp_path / 'x.jsonl'
   jsonl.write_text('{"inputs": "a b", "targets": "c"}\n\n{"inputs": "d"}\n', encoding='utf-8')
-  report = infer.InputReport()
-  examples = infer.read_input_file(jsonl, report=report)
+  report = inputs.InputReport()
+  examples = inputs.read_input_file(jsonl, report=report)
   assert [(e.index, e.inputs, e.targets) for e in examples] == [(0, 'a b', 'c'), (2, 'd', None)]
   assert report.skipped_empty == [1]
   jsonl.write_text('{"inputs": "a"}\n{"inputs": 3}\n', encoding='utf-8')
   with pytest.raises(infer.InferError, match=r'x.jsonl:2: a JSON object with a string "inputs"'):
-    infer.read_input_file(jsonl)
+    inputs.read_input_file(jsonl)
   jsonl.write_text('{"inputs": "a"\n', encoding='utf-8')
   with pytest.raises(infer.InferError, match=r'x.jsonl:1: invalid JSON'):
-    infer.read_input_file(jsonl)
+    inputs.read_input_file(jsonl)
   crlf = tmp_path / 'y.txt'
   crlf.write_bytes('Grüße\r\nzwei\r\n'.encode('utf-8'))
-  assert [e.inputs for e in infer.read_input_file(crlf)] == ['Grüße', 'zwei']
+  assert [e.inputs for e in inputs.read_input_file(crlf)] == ['Grüße', 'zwei']
 
 
 def test_changed_config_does_not_mix_with_partial_run(setup, tmp_path):
