@@ -19,6 +19,35 @@ and sequence distillation data are in `evaluation.py`; config.json, the Orbax ru
 reader and the bf16 weights files are in `checkpoints.py`.
 
 Everything is numpy + JAX: no TensorFlow on the training path (see `data.py`).
+
+Settings (gin: `train.NAME`):
+
+  model_dir: run folder: checkpoints/, config.json, log of metrics (metrics.jsonl).
+  config: the network's T5Config (vocab_size = the vocabulary rounded up to 128).
+  data_dir: folder holding multi30k/ (default $SPECULATIVE_T5X_DATA or <repo>/../shared/data).
+  mixture_or_task_name: read the data through this seqio task (e.g. 'multi30k_de_en', T5X's
+    MIXTURE_OR_TASK_NAME) instead of the plain-Python reader; needs seqio + TensorFlow.
+  source_language, target_language: the plain reader's direction (ignored with a task).
+  max_input_length, max_target_length: packed row lengths (and eval padding lengths).
+  batch_size: packed rows per step.
+  num_train_steps: stop at this step.
+  max_train_seconds: also stop once this much training time (summed over restarts) is spent;
+    the rsqrt schedule needs no total step count, so a time budget is a clean stop.
+  learning_rate_scale, warmup_steps: lr = scale / sqrt(max(step, warmup_steps)).
+  checkpoint_every: Orbax checkpoint interval in steps (also at the end and on SIGTERM).
+  eval_every: validation loss (all of val) and greedy BLEU (first eval_bleu_examples) interval.
+  final_eval_splits: splits evaluated in full (loss and BLEU) at the end, into results.json.
+  export_path: if set, the final params as a bf16 weights file (see
+    `checkpoints.export_weights`).
+  distillation: 'none'; 'sequence' (targets = the teacher's greedy outputs for the training
+    inputs, cached in `distillation_cache`); or 'token' (loss = (1 - kd_weight) * CE +
+    kd_weight * T^2 KL(teacher_T || student_T) on the real targets).
+  teacher: the teacher's exported weights file or training folder (distillation only).
+  max_train_examples: use only the first n training pairs (also bounds the sequence
+    distillation set, whose greedy decoding is the expensive part).
+  init_from: start from these params (exported weights file or training folder; same config)
+    instead of a random init, e.g. to fine-tune the undistilled draft on distillation data.
+    Ignored when the run resumes from its own checkpoint.
 """
 
 from __future__ import annotations
@@ -140,34 +169,7 @@ def train(*,
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
           init_from: Optional[str] = None) -> Dict[str, Any]:
   """Trains (or resumes) a model; returns the final metrics.
-
-  Args:
-    model_dir: run folder: checkpoints/, config.json, log of metrics (metrics.jsonl).
-    config: the network's T5Config (vocab_size = the vocabulary rounded up to 128).
-    data_dir: folder holding multi30k/ (default $SPECULATIVE_T5X_DATA or <repo>/../shared/data).
-    mixture_or_task_name: read the data through this seqio task (e.g. 'multi30k_de_en', T5X's
-      MIXTURE_OR_TASK_NAME) instead of the plain-Python reader; needs seqio + TensorFlow.
-    source_language, target_language: the plain reader's direction (ignored with a task).
-    max_input_length, max_target_length: packed row lengths (and eval padding lengths).
-    batch_size: packed rows per step.
-    num_train_steps: stop at this step.
-    max_train_seconds: also stop once this much training time (summed over restarts) is spent;
-      the rsqrt schedule needs no total step count, so a time budget is a clean stop.
-    learning_rate_scale, warmup_steps: lr = scale / sqrt(max(step, warmup_steps)).
-    checkpoint_every: Orbax checkpoint interval in steps (also at the end and on SIGTERM).
-    eval_every: validation loss (all of val) and greedy BLEU (first eval_bleu_examples) interval.
-    final_eval_splits: splits evaluated in full (loss and BLEU) at the end, into results.json.
-    export_path: if set, the final params as a bf16 weights file (see
-      `checkpoints.export_weights`).
-    distillation: 'none'; 'sequence' (targets = the teacher's greedy outputs for the training
-      inputs, cached in `distillation_cache`); or 'token' (loss = (1 - kd_weight) * CE +
-      kd_weight * T^2 KL(teacher_T || student_T) on the real targets).
-    teacher: the teacher's exported weights file or training folder (distillation only).
-    max_train_examples: use only the first n training pairs (also bounds the sequence
-      distillation set, whose greedy decoding is the expensive part).
-    init_from: start from these params (exported weights file or training folder; same config)
-      instead of a random init, e.g. to fine-tune the undistilled draft on distillation data.
-      Ignored when the run resumes from its own checkpoint.
+  Each setting is described in this module's docstring ("Settings").
   """
   distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache)
   model_dir = _prepare_model_dir(model_dir, config)
