@@ -134,10 +134,13 @@ def _timed(pipe: pipeline.Pipeline, sentences: Sequence[str], gamma: Union[int, 
 def _print_translations(pipe: pipeline.Pipeline, sentences: Sequence[str],
                         result: pipeline.Decoded) -> None:
   """Each translation, flagged where the target finds its own output unlikely."""
-  encoder_input_tokens = np.concatenate(
-      [np.asarray(b['encoder_input_tokens']) for b in pipe.batches(sentences)])[:len(sentences)]
-  log_probs = mean_token_log_probs(pipe.pair.model(), pipe.pair.params, encoder_input_tokens,
-                                   result.tokens)
+  model, log_probs = pipe.pair.model(), []
+  for b, batch in enumerate(pipe.batches(sentences)):  # each batch has its own encoder width
+    rows = len(batch['encoder_input_tokens'])
+    decodes = result.tokens[b * rows:(b + 1) * rows]
+    log_probs.append(mean_token_log_probs(
+        model, pipe.pair.params, np.asarray(batch['encoder_input_tokens'])[:len(decodes)], decodes))
+  log_probs = np.concatenate(log_probs)
   unusual = log_probs < OUT_OF_DOMAIN_LOG_PROB
   for source, translation, flag in zip(sentences, result.texts, unusual):
     print(f'{source}\n  -> {translation}' + ('   [looks out of domain]' if flag else ''))
@@ -155,8 +158,9 @@ def _print_statistics(n: int, gamma: Union[int, str], results: Mapping[str, pipe
   per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
   timing = f'median of {rounds} alternating runs' if rounds > 1 else 'one run each'
   (rows, used), = result.schedule.items()
-  chosen = ', '.join(str(g) for g in sorted(used))
+  chosen = str(gamma)
   if gamma == policy.AUTO:
+    chosen = ', '.join(str(g) for g in sorted(used))
     chosen = f'auto: {chosen}' + ('' if result.calibration else
                                   ', too few batches to time each gamma')
   spec, target_only = seconds['speculative'], seconds['target-only']

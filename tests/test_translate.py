@@ -1,11 +1,13 @@
 """The main command's pieces on a tiny model: input selection and the out-of-domain score."""
 
 import argparse
+import dataclasses
 import io
 
 import jax
 import numpy as np
 
+from speculative_t5x import checkpoints
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import translate
@@ -49,3 +51,22 @@ def test_mean_token_log_probs_is_the_targets_per_token_mean():
   for row, length in enumerate((3, 5, 5)):
     expect = np.mean([log_probs[row, i, decodes[row, i]] for i in range(length)])
     np.testing.assert_allclose(got[row], expect, rtol=1e-5)
+
+
+def test_main_translates_batches_of_different_widths(tmp_path, capsys):
+  """The command end to end (tiny random weights given as --target/--draft files): three
+  sentences in batches of two whose encoder widths differ."""
+  target = dataclasses.replace(CONFIG, vocab_size=8064)
+  draft = dataclasses.replace(target, num_decoder_layers=1)
+  checkpoints.export_weights(random_params(target, 0), target, tmp_path / 'target.msgpack')
+  checkpoints.export_weights(random_params(draft, 1), draft, tmp_path / 'draft.msgpack')
+  sentences = ['Zwei Hunde spielen im Schnee.', 'Ein Hund rennt.',
+               'Ein Mann mit einem roten Hut und einer blauen Jacke steht neben einem Auto.' * 2]
+  weights = ['--target', str(tmp_path / 'target.msgpack'),
+             '--draft', str(tmp_path / 'draft.msgpack')]
+  translate.main(['--batch_size', '2', '--gamma', '1', *weights, *sentences])
+  out = capsys.readouterr().out.splitlines()
+  assert [line for line in out if not line.startswith('  -> ')][:3] == sentences
+  assert len([line for line in out if line.startswith('  -> ')]) == 3
+  assert out[-1].startswith('3 sentences, gamma=1: alpha='), out[-1]
+  assert out[-1].endswith('outputs identical to target-only greedy: True')
