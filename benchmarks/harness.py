@@ -1,0 +1,654 @@
+"""What every benchmark command shares: flags, the pair, batches, compilation, timing, probes.
+
+Timing has one mode. A command compiles every configuration it times for every encoder width
+its batches need (`pipeline.Predictor`, compile seconds reported apart), runs one untimed pass
+of each (the outputs it reports), then times all passes round-robin for --rounds rounds
+(`policy.round_robin`): a speedup is the median over rounds of the baseline's pass time over
+the configuration's in the same round, so that slow phases of a shared machine hit both alike.
+gamma='auto' is planned and calibrated exactly as the infer job does it (`policy.plan`,
+`DecodingPolicy.calibrate` on the first batches), and each timed pass chooses per batch.
+
+Batches are the first N sentences of Multi30k's test_2016_flickr (German -> English) in file
+order, `batch:N` per batch size (`--sentences 1:80,8:160`), in fixed shapes: output length 64,
+encoder width each batch's longest input rounded up to --input_length_step (0: 64), the last
+batch padded with all-zero rows.
+
+Every command writes <out_dir>/<name>.json and <name>.md, out_dir defaulting to
+results/<machine> (`--machine`, default cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import dataclasses
+import functools
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speculative_t5x import beam_search
+from speculative_t5x import data
+from speculative_t5x import decoding
+from speculative_t5x import models
+from speculative_t5x import network
+from speculative_t5x import partitioning
+from speculative_t5x import pipeline
+from speculative_t5x import policy
+
+INPUT_LENGTH = 64
+INPUT_LENGTH_STEP = 16  # encoder width: each batch's longest input rounded up to this
+OUTPUT_LENGTH = 64
+BILD_MAX_SMALL_STEPS = 10  # bild_decode's default, the paper's
+BEAM_ALPHA = 0.6  # T5X's brevity penalty default
+PROBE_ROUNDS = 7  # rounds of the step probes (cheap; their first round compiles and is dropped)
+
+Batch = Dict[str, jax.Array]
+Outputs = List[Tuple[Any, Dict[str, Any]]]  # one pass: (decodes, aux) per batch
+
+
+class Setting(NamedTuple):
+  """One decoding configuration."""
+  method: str      # 'baseline', 'speculative', 'bild', 'beam' or 'speculative_beam'
+  temperature: float = 0.0
+  gamma: Union[int, str] = 0     # speculative: (maximum) draft tokens per target call, or 'auto'
+  adaptive: bool = False
+  fallback: float = 0.0          # bild
+  rollback: float = 0.0          # bild
+  beam: int = 0                  # beam and speculative_beam: the beam size (num_decodes)
+  branching: str = ''            # speculative_beam: the token tree's children per depth, '4,2'
+
+  @property
+  def name(self) -> str:
+    if self.method == 'baseline':
+      return f'target-only T={self.temperature:g}'
+    if self.method == 'bild':
+      return f'BiLD fb={self.fallback:g} rb={self.rollback:g}'
+    if self.method == 'beam':
+      return f'beam_search beam={self.beam}'
+    if self.method == 'speculative_beam':
+      return f'speculative beam={self.beam} tree={self.branching}'
+    gamma = f'adaptive<={self.gamma}' if self.adaptive else f'gamma={self.gamma}'
+    return f'speculative {gamma} T={self.temperature:g}'
+
+  @property
+  def baseline(self) -> 'Setting':
+    """What this setting's speedup is measured against (the same search on the target alone)."""
+    if self.method in ('beam', 'speculative_beam'):
+      return Setting('beam', beam=self.beam)
+    return Setting('baseline', self.temperature if self.method != 'bild' else 0.0)
+
+  @property
+  def tree(self) -> Tuple[int, ...]:
+    return tuple(int(b) for b in self.branching.split(',') if b)
+
+  def decoder(self) -> Tuple[Callable, Dict[str, Any]]:
+    """(decode_fn, decode_kwargs) for models.EncoderDecoderModel."""
+    if self.method == 'beam':
+      return beam_search.beam_search, {'alpha': BEAM_ALPHA}
+    if self.method == 'speculative_beam':
+      return beam_search.speculative_beam_search, {'alpha': BEAM_ALPHA, 'branching': self.tree}
+    if self.method == 'baseline':
+      # topk=0: T5X's temperature_sample defaults to top-1, i.e. greedy even at temperature 1.
+      return decoding.temperature_sample, {'temperature': self.temperature, 'topk': 0}
+    if self.method == 'bild':
+      return decoding.bild_decode, {'fallback_threshold': self.fallback,
+                                    'rollback_threshold': self.rollback, 'temperature': 0.0}
+    return decoding.speculative_sample, {'temperature': self.temperature, 'gamma': self.gamma,
+                                         'adaptive_gamma': self.adaptive}
+
+
+def from_row(row: Mapping[str, Any]) -> Setting:
+  """The Setting of a results row."""
+  return Setting(**{f: row[f] for f in Setting._fields if f in row})
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags.
+
+
+def parser(doc: str, *, sentences: str, gammas: Optional[str] = None,
+           rounds: int = 3) -> argparse.ArgumentParser:
+  """The flags every command shares, with the command's defaults; `doc` is its docstring."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument('--sentences', default=sentences,
+                 help='batch_size:number_of_sentences pairs (the first N test sentences)')
+  if gammas is not None:
+    p.add_argument('--gammas', default=gammas,
+                   help="greedy speculative gammas ('auto': planned as the infer job does)")
+  p.add_argument('--rounds', type=int, default=rounds, help='timed round-robin rounds')
+  p.add_argument('--machine', default='cpu', help='results go to results/<machine>/')
+  p.add_argument('--out_dir', default=None, help='overrides results/<machine>')
+  p.add_argument('--data_dir', default=None, help='folder holding multi30k/ (default: '
+                 f'${data.DATA_ENV_VAR} or ../shared/data)')
+  p.add_argument('--input_length_step', type=int, default=INPUT_LENGTH_STEP,
+                 help="encoder width: each batch's longest input rounded up to a multiple of "
+                      f'this (0: every batch padded to {INPUT_LENGTH})')
+  return p
+
+
+def parse_sentences(spec: str) -> Dict[int, int]:
+  """'1:80,8:160' -> {1: 80, 8: 160} (batch size: number of sentences); exits on bad input."""
+  try:
+    pairs = dict(item.split(':') for item in spec.split(','))
+    return {int(b): int(n) for b, n in pairs.items()}
+  except ValueError:
+    raise SystemExit(f'error: --sentences wants batch:count pairs like 1:80,8:160, got '
+                     f'{spec!r}') from None
+
+
+def parse_ints(spec: str, flag: str, auto: bool = False) -> List[Union[int, str]]:
+  """'1,2' -> [1, 2] ('' -> []), with auto also 'auto'; exits naming `flag` on bad input."""
+  try:
+    return [g if auto and g == policy.AUTO else int(g) for g in spec.split(',') if g]
+  except ValueError:
+    allowed = " (or 'auto')" if auto else ''
+    raise SystemExit(f'error: {flag} wants integers{allowed} like 1,2, got {spec!r}') from None
+
+
+def parse_gammas(spec: str, auto: bool = True, flag: str = '--gammas'
+                 ) -> List[Union[int, str]]:
+  """'1,2,auto' -> [1, 2, 'auto'] ('' -> []); exits on bad input."""
+  return parse_ints(spec, flag, auto)
+
+
+def command_line(name: str, argv: Optional[Sequence[str]]) -> str:
+  """The command as it was run, for the results' meta."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  return ' '.join([f'python -m benchmarks.{name}'] + args)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data and the pair.
+
+
+def test_split(data_dir: Optional[str]) -> Tuple[List[str], List[str]]:
+  """(German sources, English references) of test_2016_flickr; exits with one line if absent."""
+  try:
+    return data.load_split('test', data_dir=data_dir)
+  except FileNotFoundError as e:
+    raise SystemExit(f'error: Multi30k not found ({e}); pass --data_dir or set '
+                     f'{data.DATA_ENV_VAR}.') from None
+
+
+@functools.lru_cache(maxsize=None)
+def partitioner() -> partitioning.Partitioner:
+  """The one mesh of this process (all local devices on 'data', as the infer job's default)."""
+  return partitioning.Partitioner()
+
+
+def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int,
+                 length_step: int = INPUT_LENGTH_STEP, width: Optional[int] = None
+                 ) -> List[Batch]:
+  """[batch_size, width] batches on the mesh, the last padded with all-zero rows. width: each
+  batch's longest input rounded up to length_step (at most INPUT_LENGTH), INPUT_LENGTH for
+  step 0, or the given width for all batches."""
+  max_length, step = (width, 0) if width else (INPUT_LENGTH, length_step)
+  return [partitioning.shard_batch(data.pad_batch(
+      token_rows[start:start + batch_size], None, max_length, OUTPUT_LENGTH, batch_size, step),
+      partitioner().mesh) for start in range(0, len(token_rows), batch_size)]
+
+
+def _sharded(pair: pipeline.Pair) -> pipeline.Pair:
+  """The pair with its (prepared) params placed on the mesh, as the infer job places them."""
+  shardings = partitioner().pair_shardings(pair.model(), pair.params)
+  return dataclasses.replace(pair, params=partitioning.shard_params(pair.params, shardings))
+
+
+@functools.lru_cache(maxsize=4)
+def load_pair(target: str = str(pipeline.EMBEDDED_TARGET),
+              draft: str = str(pipeline.EMBEDDED_DRAFT)) -> pipeline.Pair:
+  """A target/draft pair (default: the embedded one), prepared and sharded; loaded once per
+  process, so that commands run in one process (the tests) share it."""
+  return _sharded(pipeline.load_pair(target, draft))
+
+
+def make_pair(target_config: network.T5Config, draft_config: network.T5Config,
+              params: Mapping[str, Any]) -> pipeline.Pair:
+  """A pair of given (e.g. random) params {'target', 'draft'}, prepared as `load_pair`'s."""
+  prepared = jax.jit(models.EncoderDecoderModel(
+      target_config, draft_config).with_decode_variables)(dict(params))
+  vocabulary = data.SentencePieceVocabulary(str(data.VOCAB_PATH))
+  return _sharded(pipeline.Pair(target_config, draft_config, prepared, vocabulary))
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling and timing.
+
+
+@dataclasses.dataclass
+class Compiled:
+  """A setting compiled for every width of `batches`, with its policy; `one_pass` decodes
+  every batch once. choices_used counts each pass's choices (gamma under gamma='auto')."""
+  setting: Setting
+  predictor: pipeline.Predictor
+  decoding_policy: policy.DecodingPolicy
+  batches: List[Batch]
+  rngs: List[jax.Array]
+  choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def one_pass(self) -> Outputs:
+    # Every batch is dispatched before any result is read, as fixed decoders run (on 2 cores
+    # consecutive batches overlap); gamma='auto' chooses with the running alpha up to the
+    # previous pass.
+    choices = [self.decoding_policy.choose() for _ in self.batches]
+    outputs = [self.predictor(c, b, r) for c, b, r in zip(choices, self.batches, self.rngs)]
+    if self.decoding_policy.measured:
+      for _, aux in outputs:
+        self.decoding_policy.observe(jax.tree.map(np.asarray, aux['stats']))
+    self.choices_used.update(choices)
+    return outputs
+
+  def info(self) -> Dict[str, Any]:
+    """compile_s, and under gamma='auto' the calibration and the batches per gamma."""
+    out = {'compile_s': self.predictor.compile_seconds}
+    if self.setting.gamma == policy.AUTO:
+      out.update(gammas_used={str(g): n for g, n in sorted(self.choices_used.items())},
+                 calibration=self.decoding_policy.summary(),
+                 calibration_s=self.decoding_policy.calibration_seconds)
+    return out
+
+
+def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch], *,
+                    decode_overrides: Optional[Mapping[str, Any]] = None,
+                    eos_id: Optional[int] = None, seed: int = 0) -> Compiled:
+  """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need and, for
+  gamma='auto', planned for len(batches) batches and calibrated on the first ones as the infer
+  job does. decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id:
+  replaces the vocabulary's (-1: no row stops early)."""
+  decode_fn, kwargs = setting.decoder()
+  kwargs = {**kwargs, **(decode_overrides or {})}
+  model = pair.model(decode_fn, kwargs)
+  if eos_id is not None:
+    model = copy.copy(model)
+    model.eos_id = model.draft_eos_id = eos_id
+  decoding_policy, decoders = policy.plan(model, kwargs, len(batches))
+  predictor = pipeline.Predictor(decoders, pair.params, partitioner(),
+                                 num_decodes=max(setting.beam, 1))
+  rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]
+  for choice in predictor.choices:
+    for batch in batches:
+      predictor.compile(choice, batch, rngs[0])
+  if decoding_policy.measured:
+    count = policy.calibration_batches(len(batches[0]['encoder_input_tokens']), len(batches))
+    decoding_policy.calibrate(lambda choice, batch: predictor(choice, batch, rngs[0]),
+                              batches[:count])
+  return Compiled(setting, predictor, decoding_policy, batches, rngs)
+
+
+def warm(passes: Mapping[Hashable, Callable[[], Any]]) -> Dict[Hashable, Any]:
+  """One untimed call of every pass (compiles what is left, warms caches): their outputs."""
+  return {key: jax.block_until_ready(one_pass()) for key, one_pass in passes.items()}
+
+
+def speedups(times: Mapping[Hashable, Sequence[float]], base: Hashable
+             ) -> Dict[Hashable, Dict[str, float]]:
+  """Per key: speedup over `base` (1 / the median over rounds of its time relative to base's in
+  the same round, `policy.relative_medians`) and its min and max over rounds."""
+  relative = policy.relative_medians(times, base)
+  out = {}
+  for key, seconds in times.items():
+    ratios = np.asarray(times[base]) / np.asarray(seconds)
+    out[key] = {'speedup': 1.0 / relative[key], 'speedup_min': float(ratios.min()),
+                'speedup_max': float(ratios.max())}
+  return out
+
+
+def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
+  """{'decodes': [num_sentences, length], 'stats': {field: [num_sentences, ...]}} from one pass,
+  without the last batch's padding rows."""
+  decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
+  stats = {}
+  if 'stats' in outputs[0][1]:
+    per_batch = [{k: np.asarray(v) for k, v in aux['stats'].items()} for _, aux in outputs]
+    if 'accepted_at' in per_batch[0]:
+      # [batch, max(gamma, 1)]: under gamma='auto' batches differ, so pad to one width.
+      width = max(s['accepted_at'].shape[1] for s in per_batch)
+      for s in per_batch:
+        s['accepted_at'] = np.pad(s['accepted_at'],
+                                  ((0, 0), (0, width - s['accepted_at'].shape[1])))
+    stats = {k: np.concatenate([s[k] for s in per_batch])[:num_sentences] for k in per_batch[0]}
+  return {'decodes': decodes, 'stats': stats}
+
+
+def ms_per(seconds: Sequence[float], count: int) -> float:
+  """Median over rounds of a pass's seconds, in ms per one of its `count` items."""
+  return 1e3 * float(np.median(seconds)) / count
+
+
+# ------------------------------------------------------------------------------------------------
+# Machine probes.
+
+
+def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8
+               ) -> Tuple[network.Transformer, Dict[str, Any], network.DecoderCache]:
+  """(module, variables, cache) of `name`'s cached decoder over a random 20-token input, the
+  cache holding `position` tokens; variables include the decode-time layouts."""
+  config = pair.configs[name]
+  module = network.Transformer(config)
+  variables = {'params': pair.params[name],
+               network.DECODE_COLLECTION: pair.params['decode'][name]}
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, 20), 3, config.vocab_size)
+
+  @jax.jit
+  def empty_cache(params, tokens):  # jitted: op by op, the encoder alone takes seconds
+    encoded = module.apply({'params': params}, tokens, method=network.Transformer.encode)
+    return module.apply({'params': params}, encoded, tokens, OUTPUT_LENGTH,
+                        method=network.Transformer.init_cache)
+
+  cache = empty_cache(pair.params[name], tokens)
+  return module, variables, cache.with_index(jnp.full((batch,), position, jnp.int32))
+
+
+def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
+                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16) -> Dict[int, float]:
+  """Median ms of one cached decode step of `name` ('target' or 'draft') appending k tokens per
+  row, for k in chunk_sizes.
+
+  Steps are timed as the decode loops run them: `steps_per_call` of them in one jitted
+  `fori_loop` carrying the cache (each step's index stays put, and depends on its logits so
+  that nothing is dead code). A step jitted alone would add a dispatch (~0.3-1 ms on a CPU) that
+  the loops do not pay and hide how the step grows with k (`dispatched_step_ms` measures that).
+  The sizes take turns in each round.
+  """
+  module, variables, cache = step_setup(pair, name, batch)
+
+  def steps(variables, cache, k):
+    def body(_, cache):
+      logits, new_cache = module.apply(variables, jnp.full((batch, k), 5, jnp.int32), cache,
+                                       method=network.Transformer.decode_step)
+      return new_cache.with_index(cache.index + (jnp.argmax(logits[:, -1], axis=-1) < 0))
+    return jax.lax.fori_loop(0, steps_per_call, body, cache).index
+
+  loops = {k: jax.jit(functools.partial(steps, k=k)) for k in sorted(set(chunk_sizes))}
+  times = policy.round_robin({k: (lambda f=f: f(variables, cache)) for k, f in loops.items()},
+                             rounds + 1)  # the first round compiles and warms up
+  return {k: 1e3 * float(np.median(t[1:])) / steps_per_call for k, t in times.items()}
+
+
+def dispatched_step_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
+                       rounds: int = 20) -> Dict[int, float]:
+  """Median ms of one cached decode step appending k tokens per row, jitted alone and dispatched
+  from Python (what a verify call costs outside a compiled loop), sizes round-robin."""
+  module, variables, cache = step_setup(pair, name, batch)
+  step = jax.jit(lambda v, t, c: module.apply(v, t, c, method=network.Transformer.decode_step))
+  tokens = {k: jnp.full((batch, k), 5, jnp.int32) for k in sorted(set(chunk_sizes))}
+  times = policy.round_robin({k: (lambda t=t: step(variables, t, cache))
+                              for k, t in tokens.items()}, rounds + 1)
+  return {k: 1e3 * float(np.median(t[1:])) for k, t in times.items()}
+
+
+def step_weight_bytes(config: network.T5Config, params: Any) -> int:
+  """Bytes of parameters one cached decoder step reads: the decoder without its cross-attention
+  key/value kernels (applied once, to the encoder output), plus the embedding table (the token
+  lookup and, tied, the logits)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params['decoder'])[0]:
+    names = [getattr(k, 'key', '') for k in path]
+    if 'encoder_decoder_attention' in names and ('key' in names or 'value' in names):
+      continue
+    total += leaf.size * leaf.dtype.itemsize
+  embedding = params['token_embedder']['embedding']
+  return total + embedding.size * embedding.dtype.itemsize
+
+
+def memory_bandwidth_gbs(megabytes: int = 64, rounds: int = 30) -> float:
+  """GB/s of a jitted sum over a `megabytes` array (streams it once; best of rounds)."""
+  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  best = min(policy.round_robin({'sum': lambda: total(x)}, rounds + 1)['sum'][1:])
+  return x.size * 4 / best / 1e9
+
+
+def matmul_gflops(size: int = 1024, rounds: int = 10) -> float:
+  """GFLOP/s of a jitted fp32 [size, size] x [size, size] matmul (best of rounds): the machine's
+  practical arithmetic peak, for the compute floor of a step."""
+  x = jnp.ones((size, size), jnp.float32)
+  product = jax.jit(jnp.matmul)
+  best = min(policy.round_robin({'matmul': lambda: product(x, x)}, rounds + 1)['matmul'][1:])
+  return 2 * size ** 3 / best / 1e9
+
+
+def probe_machine(pair: pipeline.Pair) -> Dict[str, Any]:
+  """Memory bandwidth, matmul peak and each model's weight-streaming floor of one step."""
+  bandwidth = memory_bandwidth_gbs()
+  return {'memory_bandwidth_gbs': bandwidth, 'matmul_gflops': matmul_gflops(),
+          'weight_streaming_floor_ms': {
+              name: 1e3 * step_weight_bytes(config, pair.params[name]) / (bandwidth * 1e9)
+              for name, config in pair.configs.items()}}
+
+
+def compute_floor_ms(config: network.T5Config, batch: int, k: int, gflops: float) -> float:
+  """ms of a k-token step's arithmetic at `gflops`: 2 flops per multiply-add, batch * k rows."""
+  return 2e3 * config.decode_flops_per_token() * batch * k / (gflops * 1e9)
+
+
+def param_count(params: Any) -> int:
+  return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows: what a configuration's outputs, stats and step times say.
+
+
+def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
+  """Leviathan et al.'s expected walltime improvement (Theorem 3.8, cost model of section 3.4)."""
+  return policy.expected_tokens(alpha, gamma) / (gamma * c + 1)
+
+
+def extra_arithmetic(alpha: float, gamma: float, c_hat: float) -> float:
+  """Theorem 3.11: operations per generated token relative to the baseline."""
+  return (gamma * c_hat + gamma + 1) / policy.expected_tokens(alpha, gamma)
+
+
+def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.ndarray,
+              steps: Mapping[str, Mapping[int, float]], c_hat: float,
+              references: Sequence[str], vocabulary: Any) -> Dict[str, Any]:
+  """The table row of one configuration (JSON-ready).
+
+  run: `collect`'s decodes and stats plus the timing (ms_per_sentence, speedup, ...) and
+  `Compiled.info()`; steps: {'target': {k: ms}, 'draft': {k: ms}} (`step_times_ms`).
+  """
+  texts = [vocabulary.decode(row) for row in run['decodes']]
+  row = {'name': setting.name, **setting._asdict(),
+         **{k: v for k, v in run.items() if k not in ('decodes', 'stats')},
+         'bleu': data.corpus_bleu(texts, references),
+         'same_as_baseline': float(np.mean(np.all(run['decodes'] == baseline_decodes, axis=1))),
+         'target_step_ms': steps['target'][1]}
+  stats = run['stats']
+  if setting.method == 'speculative_beam':
+    return {**row, **beam_row(setting, stats, steps)}
+  if setting.method in ('baseline', 'beam') or not stats:
+    row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1) + 1))
+    return row
+  row.update(acceptance(stats))
+  gamma = setting.gamma
+  if gamma == policy.AUTO:
+    # Predictions for the gamma chosen most often.
+    gamma = int(max(run['gammas_used'].items(), key=lambda item: item[1])[0])
+    if gamma == 0:
+      return row
+  row.update(predictions(setting, gamma, row, steps, c_hat))
+  return row
+
+
+def acceptance(stats: Mapping[str, np.ndarray]) -> Dict[str, Any]:
+  """The draft-verify loop's counts per target call, from per-row `DecodeStats` fields."""
+  totals = {k: int(v.sum()) for k, v in stats.items() if k != 'accepted_at'}
+  calls = max(totals['target_calls'], 1)
+  proposed, accepted = totals['proposed'], totals['accepted']
+  # The paper's alpha is the acceptance probability of a draft position that is reached (one
+  # after a rejection is not): every reached position ends in an acceptance or in a rejection,
+  # and a call has at most one rejection (counted in `rollbacks`).
+  return dict(totals=totals, alpha=accepted / max(accepted + totals['rollbacks'], 1),
+              accepted_fraction=accepted / max(proposed, 1), accepted_per_call=accepted / calls,
+              tokens_per_call=totals['emitted'] / calls,
+              draft_calls_per_target_call=totals['draft_calls'] / calls,
+              tokens_per_sentence=float(np.mean(stats['emitted'])),
+              fallbacks=totals['fallbacks'], rollbacks=totals['rollbacks'],
+              # P(the first i+1 proposals of a target call were all accepted), i = 0..gamma-1.
+              accepted_at=(stats['accepted_at'].sum(axis=0) / calls).tolist())
+
+
+def predictions(setting: Setting, gamma: int, row: Mapping[str, Any],
+                steps: Mapping[str, Mapping[int, float]], c_hat: float) -> Dict[str, Any]:
+  """c, the paper's predicted speedup, efficiency, extra arithmetic and the step-cost
+  prediction of a speculative or BiLD row at (static) gamma."""
+  # The verify chunk is always (static gamma) + 1 tokens wide; BiLD's gamma is max_small_steps.
+  verify_k = (gamma if setting.method == 'speculative' else BILD_MAX_SMALL_STEPS) + 1
+  c = steps['draft'][1] / steps['target'][1]
+  out = dict(c=c, c_hat=c_hat, draft_step_ms=steps['draft'][1],
+             verify_step_ms=steps['target'].get(verify_k))
+  if setting.method != 'speculative':
+    return out
+  calls = max(row['totals']['target_calls'], 1)
+  mean_gamma = row['totals']['proposed'] / calls if setting.adaptive else gamma
+  prediction = predicted_speedup(row['alpha'], mean_gamma, c)
+  out.update(gamma_mean=mean_gamma, predicted_speedup=prediction,
+             efficiency=row['speedup'] / prediction,
+             extra_arithmetic=extra_arithmetic(row['alpha'], mean_gamma, c_hat))
+  if not setting.adaptive and verify_k in steps['target']:
+    # The same expected tokens per call, but the verify call costs its measured k-token time.
+    # Each draft phase's first call feeds 2 tokens (see decoding._draft_phase).
+    cost = (steps['draft'][2] + (row['draft_calls_per_target_call'] - 1) * steps['draft'][1] +
+            steps['target'][verify_k])
+    out['step_cost_prediction'] = row['tokens_per_call'] * steps['target'][1] / cost
+  return out
+
+
+def verify_sizes(settings: Sequence[Setting]) -> List[int]:
+  """The target step sizes (tokens per row) the rows of `settings` need: 1, 2, every verify
+  chunk (gamma + 1; every candidate's under 'auto'; BiLD's max_small_steps + 1)."""
+  sizes = {1, 2}
+  for s in settings:
+    if s.method == 'speculative':
+      gammas = range(1, policy.MAX_GAMMA + 1) if s.gamma == policy.AUTO else [s.gamma]
+      sizes.update(g + 1 for g in gammas)
+    elif s.method == 'bild':
+      sizes.add(BILD_MAX_SMALL_STEPS + 1)
+  return sorted(sizes)
+
+
+def tree_levels(branching: Sequence[int]) -> List[int]:
+  """Nodes per depth of one beam's token tree (root first): (4, 2) -> [1, 4, 8]."""
+  levels = [1]
+  for b in branching:
+    levels.append(levels[-1] * b)
+  return levels
+
+
+def beam_steps_ms(pair: pipeline.Pair, rows: int, branching: Sequence[int]
+                  ) -> Dict[str, Dict[int, float]]:
+  """Step times for speculative beam search's calls at `rows` = batch x beam decoder rows: the
+  target with 1 token (a beam_search step) and with the whole tree, the draft per tree level."""
+  levels = tree_levels(branching)
+  return {'target': step_times_ms(pair, 'target', rows, (1, sum(levels))),
+          'draft': step_times_ms(pair, 'draft', rows, sorted(set(levels[:-1])))}
+
+
+def beam_row(setting: Setting, stats: Mapping[str, np.ndarray],
+             steps: Mapping[str, Mapping[int, float]]) -> Dict[str, Any]:
+  """Speculative beam search's columns: beam steps and tree nodes per target call, and the
+  step-cost prediction (steps per call x a beam_search step / (draft levels + tree verify)).
+
+  stats are per example: `emitted` counts beam steps, `proposed` tree nodes below the roots.
+  """
+  levels = tree_levels(setting.tree)
+  calls = max(int(stats['target_calls'].sum()), 1)
+  steps_per_call = int(stats['emitted'].sum()) / calls
+  draft_ms = sum(steps['draft'][n] for n in levels[:-1])
+  verify_ms = steps['target'][sum(levels)]
+  return {'steps_per_call': steps_per_call, 'tokens_per_call': steps_per_call,
+          'nodes_per_call': int(stats['proposed'].sum()) / calls + 1,
+          'target_calls': calls, 'beam_step_ms': steps['target'][1],
+          'verify_step_ms': verify_ms, 'draft_step_ms': draft_ms,
+          'step_cost_prediction': steps_per_call * steps['target'][1] / (draft_ms + verify_ms)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Results.
+
+
+def machine() -> Dict[str, Any]:
+  """What the numbers were measured on."""
+  device = jax.devices()[0]
+  return {'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+                     f'jax {jax.__version__} on {device.platform} ({device.device_kind}, '
+                     f'{jax.device_count()} device(s))',
+          'jax': jax.__version__, 'xla_flags': os.environ.get('XLA_FLAGS', '')}
+
+
+def meta(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
+         **extra: Any) -> Dict[str, Any]:
+  """The results' 'meta': the command, the machine and the shapes every command shares."""
+  return {'command': command_line(name, argv), **machine(), 'rounds': args.rounds,
+          'input_length': INPUT_LENGTH, 'input_length_step': args.input_length_step,
+          'output_length': OUTPUT_LENGTH, **extra}
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+  return Path(args.out_dir) if args.out_dir else Path('results') / args.machine
+
+
+def _json_ready(value: Any) -> Any:
+  """numpy scalars and arrays, tuples and non-string keys as JSON takes them."""
+  if isinstance(value, dict):
+    return {str(k): _json_ready(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_json_ready(v) for v in value]
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  if isinstance(value, np.generic):
+    return value.item()
+  return value
+
+
+def write_results(args: argparse.Namespace, name: str, results: Mapping[str, Any],
+                  markdown: Callable[[Dict[str, Any]], str]) -> Tuple[Path, Path]:
+  """Writes <out_dir>/<name>.json and <name>.md, the tables `markdown` makes of the results as
+  they read back from the JSON (string keys), so that a saved file renders the same. Commands
+  call it after every block, so that a killed run keeps what it measured."""
+  directory = out_dir(args)
+  directory.mkdir(parents=True, exist_ok=True)
+  paths = directory / f'{name}.json', directory / f'{name}.md'
+  text = json.dumps(_json_ready(results), indent=1)
+  paths[0].write_text(text + '\n')
+  paths[1].write_text(markdown(json.loads(text)).rstrip('\n') + '\n')
+  return paths
+
+
+def auto_note(row: Mapping[str, Any]) -> str:
+  """One line on a gamma='auto' row: its calibration and the batches per gamma it chose."""
+  used = ', '.join(f'gamma {g}: {n}' for g, n in row['gammas_used'].items())
+  if not row['calibration']:
+    return (f"{row['name']}: not calibrated (a job of fewer than {policy.MIN_BATCHES} batches "
+            f'runs gamma {policy.FALLBACK_GAMMA}, as the infer job does); batches over all '
+            f'passes: {used}.')
+  return (f"{row['name']}: calibration {row['calibration']}; batches per gamma over all "
+          f'passes (the untimed one included): {used}.')
+
+
+def fmt(value: Any, spec: str) -> str:
+  """value formatted with spec, or '' for a missing value (a table cell)."""
+  return '' if value is None else format(value, spec)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
+  """Markdown table lines."""
+  return (['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)] +
+          ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows])
+
+
+def heading(title: str, results: Mapping[str, Any]) -> List[str]:
+  """A results file's title, command and machine lines."""
+  return [f'# {title}', '', f"Command: `{results['meta']['command']}`", '',
+          f"Machine: {results['meta']['machine']}", '']

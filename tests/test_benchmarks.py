@@ -1,0 +1,122 @@
+"""Smoke test of the benchmark commands: each main() in-process on the tiniest setting.
+
+Checks that every command writes its JSON and Markdown with the expected keys and that greedy
+speculative decoding reproduces the target alone's outputs; never how fast anything ran.
+"""
+
+import json
+import pathlib
+from typing import Any, Dict, Iterator, List
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+import pytest
+
+from benchmarks import drafts
+from benchmarks import encoder_width
+from benchmarks import profile
+from benchmarks import speed
+from benchmarks import vs_t5x
+import conftest
+
+TINY = ['--sentences', '1:2', '--rounds', '1']
+
+
+@pytest.fixture(scope='module', autouse=True)
+def shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+  """The commands compile the same decoders at the same shapes (target-only and gamma 1 at
+  batch 1): a persistent compilation cache lets later commands load them instead. JAX decides
+  once per process whether to use the cache: reset that decision here and after the module, so
+  that other tests in this worker run as they would without it."""
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
+           'jax_persistent_cache_min_entry_size_bytes')
+  before = {name: getattr(jax.config, name) for name in names}
+  compilation_cache.reset_cache()
+  for name, value in zip(names, (str(tmp_path_factory.mktemp('jax_cache')), 0, 0)):
+    jax.config.update(name, value)
+  yield
+  for name, value in before.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def data_args() -> List[str]:
+  return ['--data_dir', str(conftest.shared_files('multi30k/test_2016_flickr.de')[0].parents[1])]
+
+
+def written(out_dir: pathlib.Path, name: str, heading: str) -> Dict[str, Any]:
+  """The command's JSON (with its meta) after checking that its Markdown starts as expected."""
+  markdown = (out_dir / f'{name}.md').read_text()
+  assert markdown.startswith(f'# {heading}') and f'python -m benchmarks.{name}' in markdown
+  results = json.loads((out_dir / f'{name}.json').read_text())
+  assert {'command', 'machine', 'rounds', 'input_length_step'} <= set(results['meta'])
+  return results
+
+
+def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  speed.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1,auto',
+                                 '--sampling_gammas', '', '--bild', '', '--no_adaptive', '--no_hf'])
+  results = written(tmp_path, 'speed', 'Speed')
+  assert {'c_hat', 'memory_bandwidth_gbs', 'matmul_gflops'} <= set(results['meta'])
+  block = results['batches']['1']
+  assert {'1', '2'} <= set(block['step_ms']['target'])
+  rows = {r['name']: r for r in block['rows']}
+  assert set(rows) == {'target-only T=0', 'speculative gamma=1 T=0',
+                       'speculative gamma=auto T=0'}
+  for name in ('speculative gamma=1 T=0', 'speculative gamma=auto T=0'):
+    assert rows[name]['same_as_baseline'] == 1.0
+    assert {'speedup', 'speedup_min', 'alpha', 'predicted_speedup', 'bleu'} <= set(rows[name])
+  # Two batches are too few to calibrate: 'auto' runs the fallback gamma, as the infer job.
+  assert set(rows['speculative gamma=auto T=0']['gammas_used']) == {'1'}
+  assert '| speculative gamma=1 T=0 |' in (tmp_path / 'speed.md').read_text()
+
+
+def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  drafts.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1',
+                                  '--sampling_gammas', '', '--bleu_sentences', '4'])
+  results = written(tmp_path, 'drafts', 'Draft models compared')
+  assert {'path', 'params', 'c_hat', 'bleu_alone'} <= set(results['drafts']['shipped'])
+  rows = {r['name']: r for r in results['batches']['1']['rows']}
+  assert rows['speculative gamma=1 T=0']['draft'] == 'shipped'
+  assert rows['speculative gamma=1 T=0']['same_as_baseline'] == 1.0
+  assert {'alpha', 'c', 'speedup'} <= set(rows['speculative gamma=1 T=0'])
+
+
+def test_vs_t5x(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  try:
+    import t5x  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    with pytest.raises(SystemExit) as exit_info:
+      vs_t5x.main(TINY + data_args + ['--out_dir', str(tmp_path)])
+    message = str(exit_info.value)
+    assert 't5x_private_install.md' in message and '\n' not in message
+    assert not list(tmp_path.iterdir())
+    return
+  vs_t5x.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1'])
+  rows = {r['name']: r for r in written(tmp_path, 'vs_t5x', 'This')['batches']['1']['rows']}
+  assert rows['target-only T=0']['same_as_t5x'] == rows['speculative gamma=1 T=0']['same_as_t5x']
+
+
+def test_profile(tmp_path: pathlib.Path, data_args: List[str],
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+  # The overhead part's T5-small-sized model takes ~30 s to compile here; a tiny one runs the
+  # same code.
+  monkeypatch.setattr(profile, 'OVERHEAD_CONFIG', conftest.tiny_config(vocab_size=128))
+  profile.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1', '--steps', '1,2',
+                                   '--trace_steps', '1'])
+  results = written(tmp_path, 'profile', 'Where decode time goes')
+  assert set(results['steps']['batches']['1']['target_ms']) == {'1', '2'}
+  assert len(results['kernels']) == 3 and all(t['by_kind'] for t in results['kernels'].values())
+  assert {'baseline', 'speculative_gamma4', 'speedup'} <= set(results['overhead']['loop']['1'])
+  names = [r['name'] for r in results['iteration']['1']['rows']]
+  assert names == ['target-only T=0', 'speculative gamma=1 T=0']
+
+
+def test_encoder_width(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  encoder_width.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1'])
+  block = written(tmp_path, 'encoder_width', 'Encoder width')['batches']['1']
+  assert block['identical_outputs']
+  assert [r['decoder'] for r in block['rounded_over_64']] == ['target-only T=0',
+                                                              'speculative gamma=1 T=0']
+  assert len(block['ms_per_sentence']) == 4
