@@ -12,8 +12,8 @@ cache is reordered by one gather per step and never reshaped.
 
 `speculative_beam_search` returns the same beams and scores with fewer target calls: a draft
 model proposes a token tree below each live beam, the target scores the whole tree in one call
-(tree attention), and `beam_search`'s own step is replayed on those logits for as long as the
-search stays inside the tree.
+(tree attention), and `beam_search`'s own step is replayed on those logits, each example of the
+batch for as long as its beams stay inside its trees.
 
 Shapes: `batch` examples, `beam` = num_decodes, `vocab` output classes, `length` = max_decode_len,
 `total` = length + 1 (the sequences carry a leading BOS slot, as in T5X).
@@ -43,9 +43,11 @@ NEG_INF = -1.0e7
 
 @flax.struct.dataclass
 class BeamState:
-  """The while-loop carry (T5X's `BeamState`, with the scalar loop counter named `step`).
+  """The while-loop carry (T5X's `BeamState`, with the loop counter named `step`).
 
-  step:            scalar int32, tokens fed so far; step s feeds live_seqs[:, :, s].
+  step:            int32, tokens fed so far; step s feeds live_seqs[:, :, s]. A scalar in
+                   `beam_search` (all examples step together, as in T5X); [batch] in
+                   `speculative_beam_search`, where each example keeps its own.
   live_logprobs:   [batch, beam] float32, raw log-probabilities of the live beams, ascending.
   finished_scores: [batch, beam] float32, length-normalised scores of finished beams, ascending.
   live_seqs:       [batch, beam, total] int32.
@@ -163,10 +165,14 @@ def beam_search(inputs: Array,
       beam order, the cache needs max_decode_len + max(initial_index) - min(initial_index)
       positions; a smaller `DecoderCache` drops the writes past its end.
     loop_fn: runs the search as `loop_fn(cond_fn, body_fn, initial BeamState) -> final
-      BeamState`, `lax.while_loop`'s signature. `body_fn(state, logits=None)` is one step; given
-      the live beams' next-token logits [batch * beam, vocab] it uses them instead of calling
-      tokens_to_logits and leaves the cache to the caller, only reordering its rows with the
-      beams (`speculative_beam_search` replays steps on logits of a verified token tree).
+      BeamState`, `lax.while_loop`'s signature. `body_fn(state, logits=None)` is one step of
+      every example (from its own step where `state.step` is [batch]); given the live beams'
+      next-token logits [batch * beam, vocab] it uses them instead of calling tokens_to_logits
+      and leaves the cache to the caller, only reordering its rows with the beams
+      (`speculative_beam_search` replays steps on logits of a verified token tree).
+      `cond_fn(state, per_example=True)` gives the stop votes the loop condition combines:
+      (at_limit, terminated, below_min), [batch] bool each; the search steps on unless any
+      example is at a limit, or all are terminated, or all are below min_log_prob.
 
   Returns:
     (sequences [batch, beam, max_decode_len] int32, scores [batch, beam] float32), sorted by
@@ -216,23 +222,30 @@ def beam_search(inputs: Array,
   # The smallest penalty any live beam can still get is the one at full length.
   min_brevity_penalty = brevity_penalty(alpha, total)
 
-  def cond_fn(state: BeamState) -> Array:
+  def cond_fn(state: BeamState, per_example: bool = False):
+    step = jnp.broadcast_to(state.step, (batch,))
     # Step s writes slot s + 1; rows with longer prompts run on (T5X stops on the shortest).
-    not_at_end = state.step + min_initial_index < total - 1
+    at_limit = ((step + min_initial_index >= total - 1) |
+                ((max_decode_step > 0) & (step >= max_decode_step)))
     best_live = state.live_logprobs[:, -1:] / min_brevity_penalty  # [batch, 1]
     worst_finished = jnp.where(state.finished_flags,
                                jnp.min(state.finished_scores, axis=1, keepdims=True), NEG_INF)
-    # No live beam can displace any finished one in any example: the result is fixed.
-    search_terminated = jnp.all(worst_finished > best_live)
-    all_below_min = jnp.all(best_live < min_log_prob / min_brevity_penalty) & (state.step > 0)
-    out_of_steps = (max_decode_step > 0) & (state.step >= max_decode_step)
-    return not_at_end & ~search_terminated & ~all_below_min & ~out_of_steps
+    # No live beam of the example can displace any finished one.
+    terminated = jnp.all(worst_finished > best_live, axis=1)
+    below_min = (best_live[:, 0] < min_log_prob / min_brevity_penalty) & (step > 0)
+    if per_example:
+      return at_limit, terminated, below_min
+    # T5X's: the examples step together until the result is fixed for all of them.
+    return ~jnp.any(at_limit) & ~jnp.all(terminated) & ~jnp.all(below_min)
 
   def body_fn(state: BeamState, logits: Optional[Array] = None) -> BeamState:
-    step = state.step
-    cur_token = lax.dynamic_slice_in_dim(state.live_seqs, step, 1, axis=2)  # [batch, beam, 1]
+    step = jnp.broadcast_to(state.step, (batch,))  # each example's own (equal in beam_search)
+    # Indices are clipped as dynamic slices clip them (speculative_beam_search also computes,
+    # and discards, steps of examples that are past their end).
+    cur_token = jnp.take_along_axis(state.live_seqs, step[:, None, None], axis=2,
+                                    mode='clip')  # [batch, beam, 1]
     decoding_state = DecodingState(
-        cur_index=flat_initial_index + step,
+        cur_index=flat_initial_index + jnp.repeat(step, beam),
         sequences=state.live_seqs.reshape(batch * beam, total),
         cur_token=cur_token.reshape(batch * beam, 1),
         cache=state.cache)
@@ -254,7 +267,8 @@ def beam_search(inputs: Array,
     if forced is not None:
       # Inside the prompt, the forced token replaces the candidates' tokens, and only the first
       # candidate stays alive, restarted at log-prob 0 (T5X scores only the continuation).
-      forced_token = lax.dynamic_slice_in_dim(forced, step + 1, 1, axis=1)  # [batch, 1]
+      forced_token = jnp.take_along_axis(forced, step[:, None] + 1, axis=1,
+                                         mode='clip')  # [batch, 1]
       in_prompt = forced_token != 0
       prompt_log_probs = jnp.where(jnp.arange(num_candidates) == 0, 0.0, NEG_INF)
       cand_log_probs = jnp.where(in_prompt, prompt_log_probs[None, :], cand_log_probs)
@@ -262,8 +276,8 @@ def beam_search(inputs: Array,
 
     # [batch, 2 * beam, total]: parents' sequences extended by the candidate tokens.
     cand_seqs = _gather_beams(state.live_seqs, cand_parent)
-    cand_seqs = lax.dynamic_update_slice_in_dim(cand_seqs, cand_token[:, :, None], step + 1,
-                                                axis=2)
+    cand_seqs = jnp.where(jnp.arange(total) == step[:, None, None] + 1, cand_token[:, :, None],
+                          cand_seqs)
     cand_finished = cand_token == eos_id
 
     # Live set: the best `beam` candidates that did not end, ascending (best last). Adding
@@ -281,7 +295,7 @@ def beam_search(inputs: Array,
 
     # Finished set: the best `beam` of the old finished and the newly ended candidates.
     # Sequence length counts the prompt (initial_index) and the token just chosen.
-    lengths = initial_index[:, None] + (step + 1)  # [batch, 1]
+    lengths = initial_index[:, None] + (step[:, None] + 1)  # [batch, 1]
     cand_scores = cand_log_probs / brevity_penalty(alpha, lengths)
     cand_scores = jnp.where(cand_finished, cand_scores, cand_scores + NEG_INF)
     pooled_scores = jnp.concatenate([state.finished_scores, cand_scores], axis=1)
@@ -292,7 +306,7 @@ def beam_search(inputs: Array,
     finished_flags = _gather_beams(
         jnp.concatenate([state.finished_flags, cand_finished], axis=1), best)
 
-    return BeamState(step=step + 1, live_logprobs=live_logprobs,
+    return BeamState(step=state.step + 1, live_logprobs=live_logprobs,
                      finished_scores=finished_scores, live_seqs=live_seqs,
                      finished_seqs=finished_seqs, finished_flags=finished_flags, cache=new_cache)
 
@@ -386,19 +400,45 @@ class _TreeCursor:
 
 
 @flax.struct.dataclass
-class SpeculativeBeamState:
-  """The carry of `speculative_beam_search`'s loop: one iteration per target call.
+class _Votes:
+  """What is known of beam_search's stop decision while the examples are at different steps.
 
-  beams:        the `BeamState` of the search (its cache is the target's).
+  beam_search steps on from step s unless the examples are at a limit, or every example votes
+  `terminated` at s, or every example votes `below_min` at s (`cond_fn(state, per_example=True)`).
+  An example's votes are recorded at each step it reaches; a settled example's later votes are
+  implied by its present ones (see `_settled`).
+
+  terminated, below_min: [batch, total] bool, column s: the example's votes after s steps.
+  settled: [batch] bool, the example no longer steps: no later step of beam_search can change its
+           result, its later `terminated` votes are all True, and so are its later `below_min`
+           votes where its present one is.
+  woken:   [batch] bool, a settled example resumed because its later `below_min` votes (unknown
+           while its present one is False) may decide the stop; it never settles again.
+  """
+  terminated: Array
+  below_min: Array
+  settled: Array
+  woken: Array
+
+
+@flax.struct.dataclass
+class SpeculativeBeamState:
+  """The carry of `speculative_beam_search`'s loop: one iteration (round) per target call.
+
+  beams:        the `BeamState` of the search, with a [batch] step (its cache is the target's).
   draft_cache:  the draft's cache, [batch * beam] rows like the target's.
   draft_behind: [batch * beam] bool, the draft's cache lacks the token before the live beam's
                 last one (a path through a leaf of the tree, which the draft never fed).
   stats:        `DecodeStats` per example ([batch]).
+  votes:        `_Votes`, the examples' stop votes.
+  progressed:   scalar bool, the last round moved an example (a guard: rounds always do).
   """
   beams: BeamState
   draft_cache: PyTree
   draft_behind: Array
   stats: DecodeStats
+  votes: _Votes
+  progressed: Array
 
 
 def _call_tree(fn: Callable, tokens: Array, index: Array, cache: PyTree, sequences: Array,
@@ -463,6 +503,155 @@ def _tree_child(tree: TokenTree, tokens: Array, node: Array, token: Array) -> Ar
                    -1)
 
 
+# Relative slack on the settling bound: the brevity penalties it divides by are computed in
+# other shapes than body_fn's and might round differently in the last bits.
+_SETTLE_MARGIN = 1e-5
+
+
+def _settled(state: BeamState, terminated: Array, initial_index: Array, last_step: Array,
+             forced: Optional[Array], alpha: float) -> Array:
+  """Whether no later step of beam_search can change each example's result, [batch] bool.
+
+  The result is the finished set once every slot holds an EOS-ended beam. A later candidate's
+  log-prob is at most the best live beam's (log-probs only fall while no prompt token is left to
+  force: `forced` [batch, total] or None), so its score is at most that over the brevity penalty
+  of a length it can still reach (steps step..last_step - 1, `last_step` a scalar, lengths
+  initial_index [batch] + step + 1); below the worst finished score it never enters the set.
+  Finished scores must be distinct too: re-ranking an unchanged set swaps tied entries. And
+  T5X's own vote `terminated` [batch] must hold: it then holds at every later step as well.
+  """
+  step = state.step
+  later = jnp.arange(state.live_seqs.shape[2])[None, :]  # more steps than a search takes
+  reachable = (later >= step[:, None]) & (later < last_step)
+  penalty = brevity_penalty(alpha, initial_index[:, None] + later + 1)
+  bound = jnp.max(jnp.where(reachable, state.live_logprobs[:, -1:] / penalty, -jnp.inf), axis=1)
+  scores = state.finished_scores
+  settled = (terminated & jnp.all(state.finished_flags, axis=1) &
+             jnp.all(scores[:, 1:] > scores[:, :-1], axis=1) &
+             (scores[:, 0] > bound * (1.0 - _SETTLE_MARGIN)))  # bound <= 0
+  if forced is not None:
+    settled &= ~jnp.any((forced != 0) & (later > step[:, None]), axis=1)
+  return settled
+
+
+def _proven(votes: _Votes, step: Array, at_limit: Array) -> Tuple[Array, Array]:
+  """Whether beam_search is known to step on, or known to stop, from each example's own step.
+
+  step, at_limit: [batch] (at_limit: `cond_fn`'s vote at that step). Another example's votes at
+  that step are known if it has reached the step or is settled. Returns (go, stop), [batch]
+  bool; both False while the decision waits for an example that is behind.
+  """
+  reached = step[None, :] >= step[:, None]  # [example, other]: other has reached example's step
+  settled = votes.settled[None, :]
+  below_now = jnp.take_along_axis(votes.below_min, step[:, None], axis=1)[:, 0]
+  # [example, other]: other's votes at example's step, True where only implied by settling.
+  terminated = jnp.where(reached, votes.terminated[:, step].T, True)
+  below_min = jnp.where(reached, votes.below_min[:, step].T, True)
+  terminated_known = reached | settled
+  below_known = reached | (settled & below_now[None, :])
+  go = (~at_limit & jnp.any(terminated_known & ~terminated, axis=1) &
+        jnp.any(below_known & ~below_min, axis=1))
+  stop = (at_limit | jnp.all(terminated_known & terminated, axis=1) |
+          jnp.all(below_known & below_min, axis=1))
+  return go, stop
+
+
+def _open(state: BeamState, votes: _Votes, cond_fn: Callable) -> Array:
+  """[batch] bool: the example may still step (not settled, not known to have stopped)."""
+  _, stop = _proven(votes, state.step, cond_fn(state, per_example=True)[0])
+  return ~votes.settled & ~stop
+
+
+def _record_votes(votes: _Votes, state: BeamState, went: Array, cond_fn: Callable,
+                  settle_fn: Callable) -> _Votes:
+  """`votes` with the votes of the examples that went [batch] a step recorded at their new
+  step; those whose result is then final settle (unless woken before)."""
+  _, terminated, below_min = cond_fn(state, per_example=True)
+  column = went[:, None] & (jnp.arange(votes.terminated.shape[1])[None, :] == state.step[:, None])
+  return votes.replace(
+      terminated=jnp.where(column, terminated[:, None], votes.terminated),
+      below_min=jnp.where(column, below_min[:, None], votes.below_min),
+      settled=votes.settled | (went & ~votes.woken & settle_fn(state, terminated)))
+
+
+def _wake(votes: _Votes, state: BeamState, cond_fn: Callable) -> _Votes:
+  """Resumes settled examples whose later `below_min` votes are unknown (their present one is
+  False) if an open example votes below_min: beam_search's stop may then wait on them."""
+  below_now = jnp.take_along_axis(votes.below_min, state.step[:, None], axis=1)[:, 0]
+  waiting = jnp.any(_open(state, votes, cond_fn) & below_now)
+  wake = votes.settled & ~below_now & waiting
+  return votes.replace(settled=votes.settled & ~wake, woken=votes.woken | wake)
+
+
+def _where_examples(go: Array, new: PyTree, old: PyTree) -> PyTree:
+  """`new` for the examples where go [batch], else `old`; leaves [batch, ...] or [rows, ...]."""
+
+  def pick(a, b):
+    mask = jnp.repeat(go, a.shape[0] // go.shape[0])
+    return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+  return jax.tree_util.tree_map(pick, new, old)
+
+
+def _replay(body_fn: Callable, cond_fn: Callable, settle_fn: Callable, tree: TokenTree,
+            tokens: Array, logits: Array, state: BeamState, votes: _Votes
+            ) -> Tuple[BeamState, _Votes, Array]:
+  """Replays beam_search's steps on verified trees, each example as far as it may and can.
+
+  An example steps while beam_search is known to step on from its step (`_proven`) and its
+  live beams are nodes of its trees; one that waits for a vote of an example behind goes on
+  when that one catches up, in this round or a later one. Stepping one example never ends
+  another's replay.
+  state: `BeamState` with step [batch] and a `_TreeCursor` at the roots for cache; tokens
+  [rows, nodes] the trees, logits [rows, nodes, vocab] their nodes' next-token logits.
+  Returns (state, votes, in_tree [batch]: no beam of the example has left its tree).
+  """
+  batch, rows = state.step.shape[0], tokens.shape[0]
+  beam = rows // batch
+
+  def may_step(replayed, in_tree, votes):
+    go, _ = _proven(votes, replayed.step, cond_fn(replayed, per_example=True)[0])
+    return go & in_tree & ~votes.settled
+
+  def step(carry):
+    replayed, node, in_tree, votes, go = carry
+    cursor = replayed.cache.replace(node=node)
+    stepped = body_fn(replayed.replace(cache=cursor), logits=logits[cursor.root, node])
+    replayed = _where_examples(go, stepped, replayed)
+    cursor = replayed.cache  # the new beams' parents' cursors
+    new_token = jnp.take_along_axis(replayed.live_seqs.reshape(rows, -1),
+                                    jnp.repeat(replayed.step, beam)[:, None], axis=1,
+                                    mode='clip')[:, 0]
+    child = _tree_child(tree, tokens[cursor.root], cursor.node, new_token)
+    in_tree = jnp.where(go, jnp.all(child.reshape(batch, beam) >= 0, axis=1), in_tree)
+    node = jnp.where(jnp.repeat(go, beam), child, node)
+    votes = _record_votes(votes, replayed, go, cond_fn, settle_fn)
+    return replayed, node, in_tree, votes, may_step(replayed, in_tree, votes)
+
+  in_tree = jnp.ones((batch,), jnp.bool_)
+  init = (state, jnp.zeros((rows,), jnp.int32), in_tree, votes, may_step(state, in_tree, votes))
+  replayed, _, in_tree, votes, _ = lax.while_loop(lambda c: jnp.any(c[-1]), step, init)
+  return replayed, votes, in_tree
+
+
+def _count_round(stats: DecodeStats, took_part: Array, steps: Array, in_tree: Array,
+                 tree: TokenTree) -> DecodeStats:
+  """`stats` [batch] after a round that the examples with took_part [batch] took part in, each
+  taking steps [batch] beam steps; in_tree [batch] as `_replay` returns it."""
+  part = took_part.astype(jnp.int32)
+  max_depth = tree.max_depth
+  return DecodeStats(
+      target_calls=stats.target_calls + part,
+      draft_calls=stats.draft_calls + max_depth * part,
+      proposed=stats.proposed + (tree.nodes - 1) * part,
+      accepted=stats.accepted + jnp.maximum(steps - 1, 0),
+      accepted_at=stats.accepted_at + (jnp.arange(max_depth)[None, :] <
+                                       steps[:, None] - 1).astype(jnp.int32),
+      emitted=stats.emitted + steps,
+      fallbacks=stats.fallbacks,
+      rollbacks=stats.rollbacks + (took_part & ~in_tree & (steps <= max_depth)).astype(jnp.int32))
+
+
 def speculative_beam_search(inputs: Array,
                             cache: PyTree,
                             tokens_to_logits: Callable[[DecodingState], Tuple[Array, PyTree]],
@@ -488,16 +677,22 @@ def speculative_beam_search(inputs: Array,
     2. verify: one target call scores every tree node (`network.Decoder.tree_step`: each node
        attends to its row's cache and its own ancestors), giving each node the target's exact
        next-token logits;
-    3. replay: beam_search's own step (`body_fn`) runs on those logits, step after step, while
-       every new live beam is a tree node (finished beams need no further logits). The first
-       step that keeps a beam outside the tree (at the latest the one after the leaves) ends the
-       round; each beam's cache row becomes its tree's row with the beam's path kept
-       (`DecoderCache.keep_tree_path`).
+    3. replay: beam_search's own step (`body_fn`) runs on those logits, step after step, for each
+       example while every one of its new live beams is a node of its trees (finished beams need
+       no further logits); at the latest the step after the leaves leaves the trees. Each beam's
+       cache row becomes its tree's row with the beam's path kept (`DecoderCache.keep_tree_path`).
   Every step is beam_search's arithmetic on the target's log-probabilities, so the result is
   beam_search's on the target (to float rounding of the logits: a tree call and a one-token call
   sum in different orders, which can only matter for candidates tied to ~1e-6). What changes is
-  the number of target calls: one per round instead of one per step. Examples of a batch move in
-  lockstep (one step counter), so a round ends when any example leaves its trees.
+  the number of target calls: one per round instead of one per step.
+
+  Rounds are per example: each keeps its own step (the next round's trees start there), and an
+  example whose beams leave its trees stops for the round without stopping the others. The
+  examples' steps are independent except for beam_search's stop decision, which is shared: it
+  steps every example on until all vote to stop at the same step. So an example steps on only
+  where that decision is known (`_Votes`: from the votes at that step of the examples that have
+  reached it), and every example ends at beam_search's last step, except one that settles before
+  (`_settled`: all its beams finished and no later step can change them), which stops there.
 
   Arguments and results are `beam_search`'s, plus:
     draft_cache / draft_tokens_to_logits: the draft model's, as in `decoding.speculative_sample`.
@@ -505,14 +700,16 @@ def speculative_beam_search(inputs: Array,
       and both caches must be `network.DecoderCache`s (cache_offset 0); the draft and the
       target share the vocabulary and EOS id.
     branching: children per node at each depth; the tree has 1 + b0 + b0 b1 + ... nodes per
-      live beam and a round replays at most len(branching) + 1 steps.
-    return_stats: also return a `DecodeStats` ([batch, beam], equal over beams) where
-      target_calls counts rounds, draft_calls draft calls, proposed the tree nodes below the
-      roots sent to the target, emitted the beam steps taken, accepted the steps beyond the
-      first of each round (accepted_at[:, :, d]: rounds that replayed past depth d), and
-      rollbacks the rounds ended by a beam outside the tree before the leaves (not by the
-      tree's depth or the search's end).
-      `tokens_per_target_call` is then beam steps per target call.
+      live beam and a round replays at most len(branching) + 1 steps of an example.
+    return_stats: also return a `DecodeStats` ([batch, beam], equal over beams), per example:
+      target_calls the rounds it took part in (it had not settled or stopped when the round
+      began; a round in which it waited for an example behind counts, with no step), draft_calls
+      the draft calls and proposed the tree nodes below the roots of those rounds, emitted the
+      beam steps it took, accepted its steps beyond the first of each round
+      (accepted_at[:, :, d]: its rounds that replayed past depth d), and rollbacks its rounds
+      ended by a beam outside its tree before the leaves (not by the tree's depth, a wait or
+      the search's end). `tokens_per_target_call` is then the example's beam steps per target
+      call.
   """
   branching = tuple(int(b) for b in branching)
   tree = token_tree(branching)
@@ -527,17 +724,22 @@ def speculative_beam_search(inputs: Array,
   total = length + 1
   rows = batch * beam
   max_depth = tree.max_depth
-  prefilled = initial_index is not None
-  flat_index = jnp.repeat(jnp.zeros((batch,), jnp.int32) if initial_index is None else
-                          jnp.asarray(initial_index, jnp.int32), beam)
-  forced = None
-  if not prefilled:
+  example_index = (jnp.zeros((batch,), jnp.int32) if initial_index is None else
+                   jnp.asarray(initial_index, jnp.int32))
+  flat_index = jnp.repeat(example_index, beam)
+  forced = forced_rows = None
+  if initial_index is None:
     # As beam_search forces them: sequence slot j holds inputs[:, j] where non-zero. Padded so
     # that the levels below the last slot read 0.
     n = min(input_length, total)
-    forced = jnp.zeros((batch, total + max_depth + 1), jnp.int32).at[:, :n].set(
+    forced = jnp.zeros((batch, total), jnp.int32).at[:, :n].set(
         jnp.asarray(inputs, jnp.int32)[:, :n])
-    forced = jnp.repeat(forced, beam, axis=0)
+    forced_rows = jnp.repeat(jnp.pad(forced, ((0, 0), (0, max_depth + 1))), beam, axis=0)
+  # Steps are taken from step s while s + min(initial_index) < total - 1 (and s < max_decode_step).
+  last_step = total - 1 - jnp.min(example_index)
+  last_step = jnp.where(max_decode_step > 0, jnp.minimum(last_step, max_decode_step), last_step)
+  settle_fn = functools.partial(_settled, initial_index=example_index, last_step=last_step,
+                                forced=forced, alpha=alpha)
   # The tree's slots start at the root's position: room for them past the last position.
   cache = cache.extend(tree.nodes)
   draft_cache = cache_map(lambda x: jnp.repeat(x, beam, axis=0), draft_cache.extend(tree.nodes))
@@ -545,69 +747,54 @@ def speculative_beam_search(inputs: Array,
 
   def round_fn(cond_fn: Callable, body_fn: Callable,
                carry: SpeculativeBeamState) -> SpeculativeBeamState:
-    state = carry.beams
-    step = state.step
-    index = flat_index + step  # [rows] the live beams' last tokens' positions
+    state, votes = carry.beams, carry.votes
+    took_part = _open(state, votes, cond_fn)
+    row_step = jnp.repeat(state.step, beam)
+    index = flat_index + row_step  # [rows] the live beams' last tokens' positions
     sequences = state.live_seqs.reshape(rows, total)
-    root = sequences[:, step]
-    previous = sequences[:, jnp.maximum(step - 1, 0)]
+    root = jnp.take_along_axis(sequences, row_step[:, None], axis=1)[:, 0]
+    previous = jnp.take_along_axis(sequences, jnp.maximum(row_step - 1, 0)[:, None], axis=1)[:, 0]
     level_forced = None
-    if forced is not None:
-      level_forced = lax.dynamic_slice_in_dim(forced, step + 1, max_depth, axis=1)
+    if forced_rows is not None:
+      level_forced = jnp.take_along_axis(forced_rows, row_step[:, None] + 1 + jnp.arange(max_depth),
+                                         axis=1)
     tokens, draft_cache = _draft_tree(tree, branching, draft_tokens_to_logits, carry.draft_cache,
                                       root, previous, carry.draft_behind, index, sequences,
                                       level_forced, eos_id)
     logits, target_cache = _call_tree(tokens_to_logits, tokens, index, state.cache, sequences,
                                       tree, tree.nodes)  # [rows, nodes, vocab]
-
-    def replay_cond(c):
-      replayed, _, in_tree = c
-      return in_tree & cond_fn(replayed)
-
-    def replay_body(c):
-      replayed, node, _ = c
-      cursor = replayed.cache.replace(node=node)
-      replayed = body_fn(replayed.replace(cache=cursor), logits=logits[cursor.root, node])
-      cursor = replayed.cache  # the new beams' parents' cursors
-      new_token = replayed.live_seqs.reshape(rows, total)[:, replayed.step]
-      child = _tree_child(tree, tokens[cursor.root], cursor.node, new_token)
-      return replayed, child, jnp.all(child >= 0)
-
     start = state.replace(cache=_TreeCursor(root=jnp.arange(rows),
                                             node=jnp.zeros((rows,), jnp.int32)))
-    replayed, _, in_tree = lax.while_loop(replay_cond, replay_body,
-                                          (start, jnp.zeros((rows,), jnp.int32), jnp.array(True)))
+    replayed, new_votes, in_tree = _replay(body_fn, cond_fn, settle_fn, tree, tokens, logits,
+                                           start, votes)
+    steps = replayed.step - state.step  # [batch]
+    row_steps = jnp.repeat(steps, beam)
     cursor = replayed.cache
-    depth = jnp.asarray(tree.depths)[cursor.node]  # of the node each beam's last step used
-    path = jnp.asarray(tree.paths)[cursor.node]
     # Each beam's row: its tree's row (same example, so the same cross-attention entries) with
-    # the path down to that node. The target fed all of it, the draft all but the leaves.
-    target_cache = target_cache.with_index(index).keep_tree_path(path, depth + 1, cursor.root)
+    # the path down to the node its last step used (depth steps - 1; nothing kept without a
+    # step). The target fed all of it, the draft all but the leaves.
+    path = jnp.asarray(tree.paths)[cursor.node]
+    target_cache = target_cache.with_index(index).keep_tree_path(path, row_steps, cursor.root)
     draft_cache = draft_cache.with_index(index).keep_tree_path(
-        path, jnp.minimum(depth + 1, max_depth), cursor.root)
-
-    steps = replayed.step - step
-    stats = carry.stats
-    ones = jnp.ones((batch,), jnp.int32)
-    stats = DecodeStats(
-        target_calls=stats.target_calls + ones,
-        draft_calls=stats.draft_calls + max_depth * ones,
-        proposed=stats.proposed + (tree.nodes - 1) * ones,
-        accepted=stats.accepted + (steps - 1) * ones,
-        accepted_at=stats.accepted_at + (jnp.arange(max_depth) < steps - 1)[None, :].astype(
-            jnp.int32),
-        emitted=stats.emitted + steps * ones,
-        fallbacks=stats.fallbacks,
-        rollbacks=stats.rollbacks + (~in_tree & (steps <= max_depth)).astype(jnp.int32) * ones)
-    return SpeculativeBeamState(beams=replayed.replace(cache=target_cache),
-                                draft_cache=draft_cache, draft_behind=depth >= max_depth,
-                                stats=stats)
+        path, jnp.minimum(row_steps, max_depth), cursor.root)
+    beams = replayed.replace(cache=target_cache)
+    new_votes = _wake(new_votes, beams, cond_fn)
+    return SpeculativeBeamState(
+        beams=beams, draft_cache=draft_cache, draft_behind=row_steps > max_depth,
+        stats=_count_round(carry.stats, took_part, steps, in_tree, tree), votes=new_votes,
+        progressed=jnp.any(steps > 0) | jnp.any(new_votes.woken & ~votes.woken))
 
   def loop_fn(cond_fn: Callable, body_fn: Callable, state0: BeamState) -> BeamState:
+    state0 = state0.replace(step=jnp.zeros((batch,), jnp.int32))
+    _, terminated, below_min = cond_fn(state0, per_example=True)
+    no = jnp.zeros((batch, total), jnp.bool_)
+    votes = _Votes(terminated=no.at[:, 0].set(terminated), below_min=no.at[:, 0].set(below_min),
+                   settled=no[:, 0], woken=no[:, 0])
     init = SpeculativeBeamState(beams=state0, draft_cache=draft_cache,
                                 draft_behind=jnp.zeros((rows,), jnp.bool_),
-                                stats=DecodeStats.zeros(batch, max_depth))
-    final = lax.while_loop(lambda c: cond_fn(c.beams),
+                                stats=DecodeStats.zeros(batch, max_depth), votes=votes,
+                                progressed=jnp.array(True))
+    final = lax.while_loop(lambda c: jnp.any(_open(c.beams, c.votes, cond_fn)) & c.progressed,
                            functools.partial(round_fn, cond_fn, body_fn), init)
     final_stats.append(final.stats)  # read back below, in the same trace
     return final.beams

@@ -1,6 +1,7 @@
 """Speculative beam search: beam_search's beams and scores from fewer target calls; tree attention."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +36,12 @@ DRAFTS = {
 }
 # Added to the EOS logit of both models: early EOS, the models' own, never.
 EOS_BIAS = {'early': 6.0, 'natural': 0.0, 'never': -1e4}
+BATCH = 4  # per-example rounds: the examples of a batch end at different steps
 
 
 def _biased(params, enc, eos_bias):
-  """(cache, tokens_to_logits) of the tiny model with eos_bias added to the EOS logit."""
+  """(cache, tokens_to_logits) of the tiny model with eos_bias added to the EOS logit: a scalar,
+  or one per example ([batch], the rows of a call being the examples' beams in order)."""
   encoded = MODULE.apply({'params': params}, enc, method=network.Transformer.encode)
   # Room past MAX_LEN: rows with prefilled prompts decode beyond it (beam_search drops cache
   # writes past the cache's end, where the tree's spare slots would not).
@@ -48,16 +51,22 @@ def _biased(params, enc, eos_bias):
 
   def tokens_to_logits(state):
     logits, new_cache = fn(state)
-    return logits.at[..., EOS].add(eos_bias), new_cache
+    bias = jnp.asarray(eos_bias, jnp.float32)
+    if bias.ndim:
+      bias = jnp.repeat(bias, logits.shape[0] // bias.shape[0])
+      bias = bias.reshape(bias.shape + (1,) * (logits.ndim - 2))
+    return logits.at[..., EOS].add(bias), new_cache
 
   return cache, tokens_to_logits
 
 
 @functools.partial(jax.jit, static_argnames=('beam', 'branching'))
-def _both(target, draft, enc, inputs, alpha, eos_bias, beam, branching, initial_index=None):
+def _both(target, draft, enc, inputs, alpha, eos_bias, beam, branching, initial_index=None,
+          **limits):
   """(beam_search decodes, scores), (speculative decodes, scores, stats): one compile per shape.
 
-  With initial_index, both caches are first prefilled with inputs[:, :initial_index].
+  With initial_index, both caches are first prefilled with inputs[:, :initial_index]. limits:
+  min_log_prob and max_decode_step for both searches.
   """
   cache, t2l = _biased(target, enc, eos_bias)
   draft_cache, d2l = _biased(draft, enc, eos_bias)
@@ -67,10 +76,10 @@ def _both(target, draft, enc, inputs, alpha, eos_bias, beam, branching, initial_
         cache=c))[1].with_index(initial_index)
     cache, draft_cache = prefill(t2l, cache), prefill(d2l, draft_cache)
   base = bs.beam_search(inputs, cache, t2l, EOS, num_decodes=beam, alpha=alpha,
-                        initial_index=initial_index)
+                        initial_index=initial_index, **limits)
   spec = bs.speculative_beam_search(inputs, cache, t2l, draft_cache, d2l, EOS, num_decodes=beam,
                                     alpha=alpha, branching=branching, return_stats=True,
-                                    initial_index=initial_index)
+                                    initial_index=initial_index, **limits)
   return base, spec
 
 
@@ -95,8 +104,8 @@ def test_equals_beam_search(beam, branching):
         stats[draft, eos, alpha] = s = jax.tree_util.tree_map(lambda x: np.asarray(x)[0, 0],
                                                               spec[2])
         calls[draft, eos, alpha] = int(s.target_calls)
-        # Every round replays at least one step and at most one per tree level plus one.
-        assert s.target_calls <= s.emitted <= (len(branching) + 1) * s.target_calls
+        # A round replays at most one step per tree level plus one (none if the example waits).
+        assert 1 <= s.target_calls and s.emitted <= (len(branching) + 1) * s.target_calls
         best = np.asarray(base[0])[:, -1]
         eos_at.update(np.where((best == EOS).any(1), (best == EOS).argmax(1), MAX_LEN).tolist())
   # The EOS biases do produce early EOS and none.
@@ -119,13 +128,67 @@ def test_prompt_and_forced_tokens():
 
 
 def test_prefilled_prompts():
-  """initial_index: prompts of different lengths already in both caches."""
-  enc = ragged_tokens(jax.random.PRNGKey(6), 2, 7, CFG.vocab_size)
-  inputs = jnp.zeros((2, MAX_LEN), jnp.int32).at[0, 1:4].set(jnp.array([7, 9, 11])).at[1, 1].set(5)
-  base, spec = _both(TARGET, DRAFTS['noisy'], enc, inputs, 0.6, 0.0, 2, (2, 2),
-                     initial_index=jnp.array([3, 1], jnp.int32))
+  """initial_index: prompts of different lengths already in both caches (rows with longer ones
+  decode past the output length); examples ending at different steps."""
+  enc = ragged_tokens(jax.random.PRNGKey(6), BATCH, 7, CFG.vocab_size)
+  inputs = jnp.zeros((BATCH, MAX_LEN), jnp.int32).at[0, 1:4].set(jnp.array([7, 9, 11]))
+  inputs = inputs.at[1, 1].set(5).at[2, 1:3].set(jnp.array([4, 8])).at[3, 1].set(3)
+  for eos_bias in ((0.0,) * BATCH, (0.0, 6.0, -1e4, 3.0)):
+    base, spec = _both(TARGET, DRAFTS['noisy'], enc, inputs, 0.6, jnp.array(eos_bias), 2, (2, 2),
+                       initial_index=jnp.array([3, 1, 2, 1], jnp.int32))
+    _check(base, spec)
+    assert int(spec[2].target_calls[0, 0]) < int(spec[2].emitted[0, 0])
+
+
+def _per_example(target, draft, enc, inputs, alpha, eos_bias, min_log_prob=bs.NEG_INF,
+                 max_decode_step=-1):
+  """`_both` at batch BATCH, beam 4, branching (2, 2), eos_bias [BATCH] and traced limits: one
+  compilation for every call."""
+  return _both(target, draft, enc, inputs, alpha, jnp.asarray(eos_bias, jnp.float32), 4, (2, 2),
+               min_log_prob=jnp.float32(min_log_prob), max_decode_step=jnp.int32(max_decode_step))
+
+
+def test_per_example_rounds_equal_beam_search():
+  """Examples that end at different steps (encoder inputs and forced prompts of different
+  lengths, EOS at different depths), each stepping on its own: beam_search's beams and scores,
+  with every stop rule (full length, max_decode_step, min_log_prob)."""
+  enc = ragged_tokens(jax.random.PRNGKey(3), BATCH, 7, CFG.vocab_size)
+  free = jnp.zeros((BATCH, MAX_LEN), jnp.int32)
+  prompted = free.at[1, 1:3].set(jnp.array([7, 9])).at[3, 1:5].set(jnp.array([5, 6, 7, 8]))
+  eos_at, emitted = set(), set()
+  for draft, eos_bias, inputs, alpha, limits in itertools.product(
+      ('same', 'noisy'), ((0.0, 1.0, 2.0, 3.0), (-1e4, 0.0, 3.0, 6.0)), (free, prompted),
+      (0.0, 0.6), ({}, {'min_log_prob': -3.0}, {'max_decode_step': 6})):
+    base, spec = _per_example(TARGET, DRAFTS[draft], enc, inputs, alpha, eos_bias, **limits)
+    _check(base, spec)
+    best = np.asarray(base[0])[:, -1]
+    eos_at.add(tuple(np.where((best == EOS).any(1), (best == EOS).argmax(1), MAX_LEN)))
+    emitted.add(tuple(np.asarray(spec[2].emitted[:, 0])))
+  # The best beams end at different depths within a batch; some examples stop stepping early
+  # (their results final) while the others step on.
+  assert any(len(set(depths)) == BATCH for depths in eos_at)
+  assert any(min(steps) < max(steps) == MAX_LEN for steps in emitted)
+  # Two examples end early and stop stepping while the other two fall below min_log_prob:
+  # beam_search stops only when all four do, so the early ones have to step on again.
+  target = _sharpened(0, 2.0)
+  enc = ragged_tokens(jax.random.PRNGKey(1), BATCH, 7, CFG.vocab_size)
+  _check(*_per_example(target, target, enc, free, 0.6, (-1e4, -1e4, 5.0, 6.0), min_log_prob=-8.0))
+
+
+def test_rounds_are_per_example():
+  """Draft equal to the target: each example replays as many steps per round as its own trees
+  hold. In lockstep (a round ends when any example's beams leave its trees) this batch takes one
+  beam step per target call."""
+  target = _sharpened(0, 2.0)  # flatter: beams often leave a (2, 2) tree
+  enc = ragged_tokens(jax.random.PRNGKey(3), BATCH, 7, CFG.vocab_size)
+  inputs = jnp.zeros((BATCH, MAX_LEN), jnp.int32)
+  base, spec = _per_example(target, target, enc, inputs, 0.6, (0.0, 1.0, 2.0, 3.0))
   _check(base, spec)
-  assert int(spec[2].target_calls[0, 0]) < int(spec[2].emitted[0, 0])
+  stats = jax.tree_util.tree_map(lambda x: np.asarray(x)[:, 0], spec[2])
+  steps_per_call = stats.emitted / stats.target_calls
+  assert np.all(steps_per_call > 1.3), steps_per_call
+  # An example whose result was final early stopped taking part; the others went on.
+  assert stats.emitted.min() < MAX_LEN and stats.target_calls.min() < stats.target_calls.max()
 
 
 def test_model_decode_fn():
