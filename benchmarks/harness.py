@@ -5,8 +5,8 @@ its batches need (`pipeline.Predictor`, compile seconds reported apart), runs on
 of each (the outputs it reports), then times all passes round-robin for --rounds rounds
 (`policy.round_robin`): a speedup is the median over rounds of the baseline's pass time over
 the configuration's in the same round, so that slow phases of a shared machine hit both alike.
-gamma='auto' is planned and calibrated exactly as the infer job does it (`policy.plan`,
-`DecodingPolicy.calibrate` on the first batches), and each timed pass chooses per batch.
+gamma='auto' is planned and chosen per batch exactly as the infer job does it (`policy.plan`,
+`DecodingPolicy.decode`); its measurements carry over from pass to pass.
 
 Batches are the first N sentences of Multi30k's test_2016_flickr (German -> English) in file
 order, `batch:N` per batch size (`--sentences 1:80,8:160`), in fixed shapes: output length 64,
@@ -237,33 +237,36 @@ class Compiled:
   choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def one_pass(self) -> Outputs:
-    # Every batch is dispatched before any result is read, as fixed decoders run (on 2 cores
-    # consecutive batches overlap); gamma='auto' chooses with the running alpha up to the
-    # previous pass.
-    choices = [self.decoding_policy.choose() for _ in self.batches]
-    outputs = [self.predictor(c, b, r) for c, b, r in zip(choices, self.batches, self.rngs)]
-    if self.decoding_policy.measured:
-      for _, aux in outputs:
-        self.decoding_policy.observe(jax.tree.map(np.asarray, aux['stats']))
-    self.choices_used.update(choices)
+    if not self.decoding_policy.measured:
+      # Every batch is dispatched before any result is read, as a fixed decoder runs (on 2
+      # cores consecutive batches overlap).
+      outputs = [self.predictor(None, b, r) for b, r in zip(self.batches, self.rngs)]
+      self.choices_used[None] += len(outputs)
+      return outputs
+    # gamma='auto': batch by batch, each timed and chosen by the policy as the infer job does
+    # (it goes on measuring over the passes; every choice was compiled ahead).
+    outputs = []
+    for batch, rng in zip(self.batches, self.rngs):
+      choice, out = self.decoding_policy.decode(
+          lambda c, batch=batch, rng=rng: self.predictor(c, batch, rng))
+      self.choices_used[choice] += 1
+      outputs.append(out)
     return outputs
 
   def info(self) -> Dict[str, Any]:
-    """compile_s, and under gamma='auto' the calibration and the batches per gamma."""
+    """compile_s, and under gamma='auto' the policy's measurements and batches per gamma."""
     out = {'compile_s': self.predictor.compile_seconds}
     if self.setting.gamma == policy.AUTO:
       out.update(gammas_used={str(g): n for g, n in sorted(self.choices_used.items())},
-                 calibration=self.decoding_policy.summary(),
-                 calibration_s=self.decoding_policy.calibration_seconds)
+                 policy=self.decoding_policy.summary())
     return out
 
 
 def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch], *,
                     decode_overrides: Optional[Mapping[str, Any]] = None,
                     eos_id: Optional[int] = None, seed: int = 0) -> Compiled:
-  """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need and, for
-  gamma='auto', planned for len(batches) batches and calibrated on the first ones as the infer
-  job does. decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id:
+  """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (for
+  gamma='auto' every gamma `policy.plan` gives, chosen per batch as the infer job does). decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id:
   replaces the vocabulary's (-1: no row stops early)."""
   decode_fn, kwargs = setting.decoder()
   kwargs = {**kwargs, **(decode_overrides or {})}
@@ -271,17 +274,13 @@ def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch],
   if eos_id is not None:
     model = copy.copy(model)
     model.eos_id = model.draft_eos_id = eos_id
-  decoding_policy, decoders = policy.plan(model, kwargs, len(batches))
+  decoding_policy, decoders = policy.plan(model, kwargs)
   predictor = pipeline.Predictor(decoders, pair.params, partitioner(),
                                  num_decodes=max(setting.beam, 1))
   rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]
   for choice in predictor.choices:
     for batch in batches:
       predictor.compile(choice, batch, rngs[0])
-  if decoding_policy.measured:
-    count = policy.calibration_batches(len(batches[0]['encoder_input_tokens']), len(batches))
-    decoding_policy.calibrate(lambda choice, batch: predictor(choice, batch, rngs[0]),
-                              batches[:count])
   return Compiled(setting, predictor, decoding_policy, batches, rngs)
 
 
@@ -307,16 +306,9 @@ def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
   """{'decodes': [num_sentences, length], 'stats': {field: [num_sentences, ...]}} from one pass,
   without the last batch's padding rows."""
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
-  stats = {}
-  if 'stats' in outputs[0][1]:
-    per_batch = [{k: np.asarray(v) for k, v in aux['stats'].items()} for _, aux in outputs]
-    if 'accepted_at' in per_batch[0]:
-      # [batch, max(gamma, 1)]: under gamma='auto' batches differ, so pad to one width.
-      width = max(s['accepted_at'].shape[1] for s in per_batch)
-      for s in per_batch:
-        s['accepted_at'] = np.pad(s['accepted_at'],
-                                  ((0, 0), (0, width - s['accepted_at'].shape[1])))
-    stats = {k: np.concatenate([s[k] for s in per_batch])[:num_sentences] for k in per_batch[0]}
+  stats = pipeline.merge_stats(
+      [jax.tree.map(np.asarray, aux.get('stats', {})) for _, aux in outputs],
+      [len(d) for d, _ in outputs], num_sentences)
   return {'decodes': decodes, 'stats': stats}
 
 
@@ -627,14 +619,12 @@ def write_results(args: argparse.Namespace, name: str, results: Mapping[str, Any
 
 
 def auto_note(row: Mapping[str, Any]) -> str:
-  """One line on a gamma='auto' row: its calibration and the batches per gamma it chose."""
+  """One line on a gamma='auto' row: what the policy measured and the batches per gamma."""
   used = ', '.join(f'gamma {g}: {n}' for g, n in row['gammas_used'].items())
-  if not row['calibration']:
-    return (f"{row['name']}: not calibrated (a job of fewer than {policy.MIN_BATCHES} batches "
-            f'runs gamma {policy.FALLBACK_GAMMA}, as the infer job does); batches over all '
-            f'passes: {used}.')
-  return (f"{row['name']}: calibration {row['calibration']}; batches per gamma over all "
-          f'passes (the untimed one included): {used}.')
+  measured = row['policy'].get('measured', {})
+  return (f"{row['name']}: batches per gamma over all passes (the untimed one included): "
+          f'{used}; ms per output position: ' +
+          ', '.join(f"gamma {g}: {m['ms_per_position']}" for g, m in measured.items()) + '.')
 
 
 def fmt(value: Any, spec: str) -> str:

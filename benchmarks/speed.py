@@ -5,8 +5,8 @@
   python -m benchmarks.speed --gammas '' --sampling_gammas '' --bild '' --beams '4:8,4:4;2'
 
 For every batch size the same sentences go through target-only decoding (the baseline),
-speculative decoding at each --gammas value (gamma='auto' planned and calibrated as the infer
-job does; a job of fewer than policy.MIN_BATCHES batches runs policy.FALLBACK_GAMMA), adaptive
+speculative decoding at each --gammas value (gamma='auto': `policy.DecodingPolicy` choosing per
+batch from measured batch times, as the infer job does), adaptive
 gamma (up to the largest gamma), the same at temperature 1 for --sampling_gammas, BiLD at each
 --bild (fallback, rollback) pair, with --beams beam_search against speculative beam search for
 each beam:branching pair, and at batch 1 Hugging Face transformers' assisted generation on the
@@ -187,7 +187,7 @@ def step_probes(pair: pipeline.Pair, batch_size: int, settings: Sequence[Setting
 
 def compile_all(pair: pipeline.Pair, settings: Sequence[Setting], batches: List[Any],
                 batch_size: int) -> Dict[Setting, harness.Compiled]:
-  """Every setting compiled (and gamma='auto' calibrated) before anything is timed."""
+  """Every setting compiled (every gamma of gamma='auto' too) before anything is timed."""
   compiled = {}
   for s in settings:
     compiled[s] = harness.compile_setting(s, pair, batches)

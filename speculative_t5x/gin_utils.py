@@ -126,7 +126,10 @@ def error_line(e: BaseException) -> str:
   lines = [line.strip() for line in str(e).splitlines() if line.strip()]
   if not lines:
     return type(e).__name__
-  where = next((line for line in lines[1:] if line.startswith('In ') or 'line' in line), '')
+  # gin's context names the file and line of a binding (kept) or the configurable being
+  # called, with its memory address (dropped: it says nothing to a user).
+  where = next((line for line in lines[1:] if (line.startswith('In ') or 'line' in line)
+                and ' at 0x' not in line), '')
   return f'{lines[0]} ({where})' if where and where != lines[0] else lines[0]
 
 

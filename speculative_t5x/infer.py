@@ -53,10 +53,10 @@ Settings (gin: `infer_script.infer.NAME`; T5X's macros in gin_configs/runs/infer
     size of beam_search / speculative_beam_search, samples per example otherwise; the best
     (highest score) is written.
   max_gamma: with gamma='auto' (`decoding.speculative_sample.gamma = 'auto'`), the largest
-    gamma tried: gammas 0 (target alone) to max_gamma are compiled and timed on the first
-    batches, then each batch uses the one `policy.GammaTuner` predicts fastest (recorded
-    per example as stats.gamma, and in the summary). Jobs of fewer than auto_min_batches
-    batches skip that and use policy.FALLBACK_GAMMA.
+    gamma considered: gammas 0 (the target alone) to max_gamma are compiled, and
+    `policy.DecodingPolicy` picks one per batch from the job's measured batch times (recorded
+    per example as stats.gamma; with `decoding.speculative_beam_search.branching = 'auto'`,
+    stats.branching; the schedule and measurements in the summary's "policy").
   progress: show a progress bar (process 0).
   chunk_hook: called with a chunk's number right after it is committed (tests stop a job
     at a known chunk through it; monitoring may count progress).
@@ -338,8 +338,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
           checkpoint_period: int = 4, partitioner: Optional[partitioning.Partitioner] = None,
           shard_id: int = 0, num_shards: int = 1, output_ids: bool = False,
           dtype: Optional[str] = 'auto', seed: int = 0, num_decodes: int = 1,
-          max_gamma: int = policy.MAX_GAMMA, auto_min_batches: int = policy.MIN_BATCHES,
-          progress: bool = True,
+          max_gamma: int = policy.MAX_GAMMA, progress: bool = True,
           chunk_hook: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
   """Decodes every example of a task split or file; returns (and writes) the run summary.
   Each setting is described in this module's docstring ("Settings")."""
@@ -367,8 +366,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   params, load_seconds = _load_pair(model, target_checkpoint_path, draft_checkpoint_path,
                                     job.dtype, job.partitioner)
   compile_start = time.time()
-  decoding_policy, decoders = policy.plan(model, decode_kwargs, -(-len(examples) // batch_size),
-                                          max_gamma, auto_min_batches)
+  decoding_policy, decoders = policy.plan(model, decode_kwargs, max_gamma)
   predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes)
   run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), default_temperature)
   run.compile_first(examples)
@@ -380,12 +378,11 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   summary = _summary(records, model, report, {
       'wall_seconds': time.time() - wall_start, 'compile_seconds': run.compile_seconds,
       'load_seconds': load_seconds, 'decode_seconds': decode_seconds,
-      'resumed_chunks': resumed, 'chunks': run.num_chunks(examples),
-      'calibration_seconds': run.calibration_seconds}, {
+      'resumed_chunks': resumed, 'chunks': run.num_chunks(examples)}, {
           'target_checkpoint': target_checkpoint_path,
           'draft_checkpoint': draft_checkpoint_path if model.uses_draft else None,
           **job.summary()})
-  summary['gamma_auto'] = _gamma_summary(records, decoding_policy)
+  summary['policy'] = _policy_summary(records, decoding_policy, batch_size)
   store.finish(records, summary, gin.operative_config_str())
   logging.info('Wrote %d predictions to %s', len(records), store.output_path)
   return summary
@@ -427,7 +424,6 @@ class _Run:
     # Set when inputs carry their own temperatures: the temperature of the rows that do not.
     self.default_temperature = default_temperature
     self.compile_seconds = 0.0
-    self.calibration_seconds = 0.0
 
   def num_chunks(self, examples: Sequence[inputs.Example]) -> int:
     return -(-len(examples) // (self.job.batch_size * self.job.checkpoint_period))
@@ -451,31 +447,21 @@ class _Run:
           batch[models.TEMPERATURE_FEATURE][row] = ex.temperature
     return partitioning.shard_batch(batch, self.job.partitioner.mesh)
 
-  def predict(self, choice: Optional[int], batch: Any, rng: Optional[jax.Array] = None) -> Any:
-    """Decodes one batch; a width met for the first time is compiled first (counted apart)."""
+  def predict(self, choice: Any, batch: Any, rng: Optional[jax.Array] = None,
+              compile_only: bool = False) -> Any:
+    """Decodes one batch; a (choice, width) met for the first time is compiled first (counted
+    apart from decoding)."""
     compiled_before = self.predictor.compile_seconds
     executable = self.predictor.compile(choice, batch, self.rng)
     self.compile_seconds += self.predictor.compile_seconds - compiled_before
+    if compile_only:
+      return None
     return executable(self.predictor.params, batch, self.rng if rng is None else rng)
 
   def compile_first(self, examples: Sequence[inputs.Example]) -> None:
     first = self.make_batch(examples[:self.job.batch_size])
-    for choice in self.predictor.choices:
-      self.predictor.compile(choice, first, self.rng)
-    logging.info('Compiled the predict function%s in %.1f s.',
-                 f's for gamma in {sorted(self.predictor.choices)}'
-                 if self.policy.measured else '', self.predictor.compile_seconds)
-
-  def calibrate(self, examples: Sequence[inputs.Example]) -> None:
-    """gamma='auto': times every candidate on the job's first batches (once per job)."""
-    size = self.job.batch_size
-    count = policy.calibration_batches(size, -(-len(examples) // size))
-    batches = [self.make_batch(examples[b * size:(b + 1) * size]) for b in range(count)]
-    compiled_before = self.compile_seconds
-    self.policy.calibrate(self.predict, batches)
-    self.calibration_seconds = (self.policy.calibration_seconds -
-                                (self.compile_seconds - compiled_before))
-    logging.info('gamma=auto: %s', self.policy.summary())
+    self.predictor.compile(self.policy.fallback, first, self.rng)  # others when first chosen
+    logging.info('Compiled the predict function in %.1f s.', self.predictor.compile_seconds)
 
   def decode_chunks(self, store: chunks.ChunkStore, examples: Sequence[inputs.Example],
                     vocabulary: Any, output_ids: bool, progress: bool,
@@ -508,28 +494,25 @@ class _Run:
   def decode_chunk(self, c: int, members: Sequence[inputs.Example],
                    examples: Sequence[inputs.Example], vocabulary: Any, output_ids: bool,
                    bar: Any) -> Tuple[List[Dict[str, Any]], float]:
-    """This process's records of chunk c and its decode seconds (no compile, no calibration).
+    """This process's records of chunk c and its decode seconds (compilation excluded).
 
     A batch's random key depends only on the chunk and batch numbers, so a resumed run samples
     exactly what an uninterrupted one would.
     """
     start, compiled_before = time.time(), self.compile_seconds
-    if self.policy.measured and self.policy.tuner is None:
-      self.calibrate(examples)
-      start += self.calibration_seconds
     records = []
     for b in range(-(-len(members) // self.job.batch_size)):
       rows = members[b * self.job.batch_size:(b + 1) * self.job.batch_size]
       mine = self.job.mine(rows)
-      choice = self.policy.choose()
       rng = jax.random.fold_in(jax.random.fold_in(self.rng, c), b)
-      decodes, aux = _process_rows(self.predict(choice, self.make_batch(rows), rng),
-                                   self.job.process, self.job.local_batch)
-      self.policy.observe({k: v[:len(mine)] for k, v in aux.get('stats', {}).items()})
+      batch = self.make_batch(rows)
+      choice, outputs = self.policy.decode(lambda choice: self.predict(choice, batch, rng),
+                                           lambda choice: self.predict(choice, batch, compile_only=True))
+      decodes, aux = _process_rows(outputs, self.job.process, self.job.local_batch)
       for row, ex in enumerate(mine):
         stats = {k: v[row] for k, v in aux.get('stats', {}).items()}
-        if choice is not None:
-          stats['gamma'] = choice
+        if self.policy.setting is not None:
+          stats[self.policy.setting] = list(choice) if isinstance(choice, tuple) else choice
         records.append(_json_record(ex, decodes[row], aux['scores'][row], stats, vocabulary,
                                     output_ids))
       if bar is not None:
@@ -551,15 +534,16 @@ def _json_record(ex: inputs.Example, tokens: np.ndarray, score: float,
   return record
 
 
-def _gamma_summary(records: Sequence[Dict[str, Any]],
-                   decoding_policy: policy.DecodingPolicy) -> Optional[Dict[str, Any]]:
-  """gamma='auto': the calibration and how many examples each gamma decoded (from the records
-  on disk, so that a resumed run's summary covers every chunk); None otherwise."""
-  used = collections.Counter(r['aux']['stats']['gamma'] for r in records
-                             if 'gamma' in r['aux']['stats'])
-  if not used:
+def _policy_summary(records: Sequence[Dict[str, Any]], decoding_policy: policy.DecodingPolicy,
+                    batch_size: int) -> Optional[Dict[str, Any]]:
+  """gamma / branching='auto': the schedule (examples per choice, from the records on disk, so
+  that a resumed run's summary covers every chunk) and this run's measurements; else None."""
+  setting = decoding_policy.setting
+  if setting is None:
     return None
-  return {**decoding_policy.summary(), 'examples_by_gamma': dict(sorted(used.items()))}
+  used = collections.Counter(str(r['aux']['stats'][setting]) for r in records)
+  return {'batch_size': batch_size, 'examples_by_choice': dict(sorted(used.items())),
+          **decoding_policy.summary()}
 
 
 def _process_rows(outputs: Any, process: int, local_batch: int) -> Any:

@@ -1,53 +1,56 @@
-"""The decoding policy: which compiled decoder each batch of a job runs, fixed or measured.
+"""The decoding policy: which compiled decoder each batch of a job runs, measured on the job.
 
-A fixed decoder runs every batch as configured. gamma='auto' chooses the draft length per batch
-from measured decode times and a running alpha:
+A speculative decoder and its plain counterpart give the same output (greedy decoding: the same
+tokens; sampling: the same distribution; beam search: the same beams), so which of them runs a
+batch is a matter of speed alone, and the answer depends on the machine, the pair and the batch
+size: on a 2-core CPU a verify call over 8 rows is arithmetic-bound and costs about what it
+saves, on an accelerator the same batch is bandwidth-bound and speculation pays. So it is
+measured, on the job's own batches, not modelled. `plan` turns a model that leaves the choice
+open into its candidates, ordered from the plain decoder to the most speculative:
 
-The paper's expected output tokens per target call, E(alpha, gamma) = (1 - alpha^(gamma + 1)) /
-(1 - alpha), sets how many loop iterations a batch needs; what one iteration costs at each gamma
-has to be measured. Timing single target and draft calls predicts it badly on a CPU (a verify
-call inside the jitted loop costs far less than a dispatched call, and the loop's own per-round
-work is not in either), so `calibrate` times the real thing: the job's first batches
-(CALIBRATION_ROWS rows) decoded with every candidate gamma (0 = target-only), round-robin,
-medians over `repeats` rounds of times relative to the target alone's in the same round.
-Afterwards `GammaTuner` predicts a batch's time at each gamma as its measured time rescaled by
-E(alpha_at_calibration, gamma) / E(alpha_now, gamma) as the running alpha (accepted /
-(accepted + rejections), the paper's alpha) drifts, and picks the fastest.
+  speculative_sample, gamma='auto'              0 (temperature_sample: the target alone, same
+                                                temperature / topk / topp), 1, ..., max_gamma
+  speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
-The choice never changes a greedy output (every gamma gives the target's greedy decode). With
-sampling the output distribution is the target's at every gamma, but which sample a given seed
-draws depends on gamma, so a sampled job with gamma='auto' is not reproducible from its seed
-alone; the infer job records the gamma of every batch.
+and a `DecodingPolicy` that picks one per batch. Every batch is a real batch of the job (its
+outputs are kept: there is no separate calibration); its time per output position (wall time
+over the longest output of the batch) is recorded for the choice that ran it. The first batch
+runs the fallback; afterwards each batch runs the fastest choice measured so far, except that an
+untried neighbour of it (one step more or less speculative) is tried first: a local search that
+stops where both neighbours measured slower, so a job tries two or three choices, not all. Every
+`explore_every`-th batch re-measures a neighbour (the one measured longest ago), so a long job
+follows the machine's drift; a choice's cost is the median of its last `window` batches. A job
+shorter than the search runs the fallback, and its summary says so.
+
+BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
 """
 
 from __future__ import annotations
 
-import copy
+import collections
 import dataclasses
+import inspect
 import time
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
 
+from speculative_t5x import beam_search
 from speculative_t5x import decoding
 from speculative_t5x import models
 
 AUTO = 'auto'
-# Candidates: target-only and gamma 1..MAX_GAMMA (each is one compilation of the decode loop).
+# gamma='auto' candidates: 0 (the target alone) to MAX_GAMMA, each one compiled loop. The first
+# batch runs FALLBACK_GAMMA: the fastest gamma measured at batch 1 on the project's CPU.
 MAX_GAMMA = 4
-# Calibration decodes the first batches (at least CALIBRATION_ROWS rows) 6 (MAX_GAMMA + 1) times
-# after compiling MAX_GAMMA + 1 loops: a job of fewer batches than MIN_BATCHES uses
-# FALLBACK_GAMMA instead: the gamma every calibration of the embedded pair chose at batch 1 and 8
-# on this project's CPU with the stage-2 draft; with the stage-3 draft gamma 1 and 2 measure
-# within the machine's noise of each other (README, "Benchmark").
-CALIBRATION_ROWS = 16
-MIN_BATCHES = 16
 FALLBACK_GAMMA = 1
-
-# predict(batch) -> (decodes, aux) with aux['stats'] the per-row `decoding.DecodeStats` fields,
-# for one fixed gamma; the tuner blocks on the result itself.
-Predict = Callable[[Any], Tuple[Any, Mapping[str, Any]]]
+# branching='auto' candidates, () = beam_search itself (the fallback: a tree call over 4 beams is
+# arithmetic-bound on a CPU and did not pay there).
+TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
+FALLBACK_TREE: Tuple[int, ...] = ()
+WINDOW = 8
+EXPLORE_EVERY = 16
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -56,8 +59,7 @@ def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
 
   The passes take turns within a round, so that slow phases of a shared machine hit all of them
   alike; compare them within a round (`relative_medians`), never across runs. Warm the passes
-  up (compile them) first. The one timing primitive of the project: the policy's calibration,
-  the translate command and the benchmarks all time with it.
+  up (compile them) first. The benchmarks and the translate command time with it.
   """
   times = {key: [] for key in passes}
   for _ in range(repeats):
@@ -75,117 +77,165 @@ def relative_medians(times: Mapping[Hashable, Sequence[float]], base: Hashable
   return {key: float(np.median(np.asarray(t) / base_times)) for key, t in times.items()}
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-  """The paper's expected output tokens per target call: (1 - alpha^(gamma + 1)) / (1 - alpha)."""
-  if alpha >= 1.0:
-    return float(gamma + 1)
-  return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def _counts(stats: Mapping[str, Any]) -> Tuple[int, int]:
-  """(accepted draft tokens, rejections) of one decode's stats."""
-  return int(np.sum(stats['accepted'])), int(np.sum(stats['rollbacks']))
+def output_positions(decodes: Any) -> int:
+  """The longest output of a batch (non-padding tokens; decodes [batch, (beams,) length]): a
+  batch's loop runs until its longest row is done, so time per position compares batches of
+  different lengths."""
+  if isinstance(decodes, jax.Array) and not decodes.is_fully_addressable:
+    # A multi-host batch: this process's rows (its measured time is for its part too).
+    decodes = np.concatenate([np.asarray(s.data) for s in decodes.addressable_shards])
+  return max(1, int(np.max(np.count_nonzero(np.asarray(decodes), axis=-1), initial=0)))
 
 
 @dataclasses.dataclass
-class GammaTuner:
-  """Chooses gamma for the next batch. batch_ms[g]: measured ms per batch at gamma g (0 =
-  target-only); calibration_alpha[g]: alpha measured with it. accepted / rejected: running
-  counts over every batch observed (calibration included)."""
-  batch_ms: Dict[int, float]
-  calibration_alpha: Dict[int, float]
-  accepted: int = 0
-  rejected: int = 0
+class _Record:
+  """One choice's measurements: ms per output position of its last batches."""
+  costs: Deque[float]
+  batches: int = 0
+  last: int = -1  # the job's batch number it last ran
 
   @property
-  def alpha(self) -> float:
-    return self.accepted / max(self.accepted + self.rejected, 1)
+  def cost(self) -> float:
+    return float(np.median(self.costs)) if self.costs else float('inf')
 
-  def predicted_ms(self, gamma: int) -> float:
-    """A batch's decode time at gamma under the running alpha."""
-    if gamma == 0:
-      return self.batch_ms[0]
-    return self.batch_ms[gamma] * (expected_tokens(self.calibration_alpha[gamma], gamma) /
-                                   expected_tokens(self.alpha, gamma))
 
-  def choose(self) -> int:
-    """The gamma with the smallest predicted time (0: speculation does not pay here)."""
-    return min(self.batch_ms, key=self.predicted_ms)
+class DecodingPolicy:
+  """Which decoder each batch of a job runs (module docstring: the search and its costs).
 
-  def observe(self, stats: Mapping[str, Any]) -> None:
-    """Adds one decoded batch's `DecodeStats` fields (arrays per row) to the running alpha."""
-    accepted, rejected = _counts(stats)
-    self.accepted += accepted
-    self.rejected += rejected
+  choices: the keys of the job's compiled decoders (`plan`), ordered from the plain decoder to
+    the most speculative; `(None,)` for a fixed decoder.
+  setting: what a choice sets ('gamma' or 'branching'; None for a fixed decoder), the name under
+    which the infer job records it per example.
+  clock: injectable for tests.
+  """
+
+  def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
+               fallback: Any = None, window: int = WINDOW, explore_every: int = EXPLORE_EVERY,
+               clock: Callable[[], float] = time.perf_counter):
+    if not choices:
+      raise ValueError('DecodingPolicy needs at least one choice.')
+    self.choices = tuple(choices)
+    self.setting = setting
+    self.fallback = fallback if fallback in self.choices else self.choices[0]
+    self.explore_every = explore_every
+    self.clock = clock
+    self.records = {c: _Record(collections.deque(maxlen=window)) for c in self.choices}
+    self.batches = 0
+
+  @property
+  def measured(self) -> bool:
+    """Whether batches choose between several decoders."""
+    return len(self.choices) > 1
+
+  def best(self) -> Any:
+    """The measured fastest choice (the fallback before any measurement)."""
+    if not any(r.costs for r in self.records.values()):
+      return self.fallback
+    return min(self.choices, key=lambda c: self.records[c].cost)
+
+  def _next(self) -> Any:
+    if not self.measured:
+      return self.choices[0]
+    if not any(r.costs for r in self.records.values()):
+      return self.fallback
+    best = self.best()
+    i = self.choices.index(best)
+    neighbours = [self.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(self.choices)]
+    untried = [c for c in neighbours if not self.records[c].costs]
+    if untried:
+      return untried[0]
+    if self.batches % self.explore_every == self.explore_every - 1:
+      return min(neighbours, key=lambda c: self.records[c].last)
+    return best
+
+  def choose(self) -> Any:
+    """The choice for the next batch, process 0's in a multi-host job (all run one program)."""
+    choice = self._next()
+    if self.measured and jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      index = multihost_utils.broadcast_one_to_all(np.int32(self.choices.index(choice)))
+      choice = self.choices[int(index)]
+    return choice
+
+  def observe(self, choice: Any, seconds: float, decodes: Any) -> None:
+    """Records a decoded batch: its choice, wall seconds and decodes [batch, (beams,) length]."""
+    record = self.records[choice]
+    record.costs.append(1e3 * seconds / output_positions(decodes))
+    record.batches += 1
+    record.last = self.batches
+    self.batches += 1
+
+  def decode(self, run: Callable[[Any], Any], prepare: Optional[Callable[[Any], Any]] = None
+             ) -> Tuple[Any, Any]:
+    """Chooses, runs run(choice) -> (decodes, aux) to completion, observes; (choice, outputs).
+    prepare(choice), if given, runs first and untimed (compiling a choice when first met)."""
+    choice = self.choose()
+    if prepare is not None:
+      prepare(choice)
+    start = self.clock()
+    outputs = jax.block_until_ready(run(choice))
+    self.observe(choice, self.clock() - start, outputs[0])
+    return choice, outputs
 
   def summary(self) -> Dict[str, Any]:
-    return {'alpha': round(self.alpha, 4), 'choice': self.choose(),
-            'batch_ms': {g: round(ms, 3) for g, ms in self.batch_ms.items()},
-            'predicted_ms': {g: round(self.predicted_ms(g), 3) for g in self.batch_ms}}
+    """The measurements ({} for a fixed decoder): per choice tried, batches and median ms per
+    output position; the best; whether the job was too short to search (fallback only)."""
+    if not self.measured:
+      return {}
+    tried = {c: r for c, r in self.records.items() if r.batches}
+    return {'setting': self.setting, 'fallback': _json(self.fallback), 'best': _json(self.best()),
+            'fallback_only': list(tried) == [self.fallback],
+            'measured': {str(_json(c)): {'batches': r.batches,
+                                         'ms_per_position': round(r.cost, 4)}
+                         for c, r in tried.items()}}
 
 
-def calibrate(predicts: Mapping[int, Predict], batches: Sequence[Any], repeats: int = 5,
-              clock: Callable[[], float] = time.perf_counter) -> GammaTuner:
-  """Times predicts[g] over `batches` for every candidate gamma g, round-robin, `repeats`
-  rounds after one untimed pass each, and returns the tuner: ms per batch for each gamma, the
-  target alone's median times the median over rounds of the candidate's time relative to it.
+def _json(choice: Any) -> Any:
+  return list(choice) if isinstance(choice, tuple) else choice
 
-  predicts must include 0 (target-only). Use at least CALIBRATION_ROWS rows in all: one short
-  sentence says little about alpha, and this machine's speed drifts between passes. clock is
-  injectable for tests.
+
+def _name(fn: Callable) -> Optional[str]:
+  return getattr(getattr(fn, 'func', fn), '__name__', None)
+
+
+def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
+         max_gamma: int = MAX_GAMMA, **policy_kwargs: Any
+         ) -> Tuple[DecodingPolicy, Dict[Any, models.EncoderDecoderModel]]:
+  """The policy of a job and its decoders, {choice: model}.
+
+  decode_kwargs: the effective arguments of model.decode_fn (gin-bound and the model's). A
+  speculative_sample model with gamma='auto' gets gammas 0..max_gamma, a speculative_beam_search
+  model with branching='auto' the `TREES`; any other model is its own single choice, None.
+  policy_kwargs go to `DecodingPolicy` (window, explore_every, clock).
   """
-  if 0 not in predicts:
-    raise ValueError('calibrate needs the target-only decoder (gamma 0) as a candidate.')
-  if repeats < 1 or not batches:
-    raise ValueError(f'calibrate needs batches and repeats >= 1, got {len(batches)} batches '
-                     f'and repeats={repeats}.')
-  counts = {}
-  for gamma, predict in predicts.items():
-    outputs = jax.block_until_ready([predict(batch) for batch in batches])
-    counts[gamma] = tuple(sum(_counts(aux['stats'])[i] for _, aux in outputs) for i in (0, 1))
-  times = round_robin({g: (lambda p=p: [p(batch) for batch in batches])
-                       for g, p in predicts.items()}, repeats, clock)
-  relative = relative_medians(times, 0)
-  baseline_ms = 1e3 * float(np.median(times[0])) / len(batches)
-  speculative = [g for g in predicts if g > 0]
-  return GammaTuner(
-      batch_ms={g: baseline_ms * relative[g] for g in predicts},
-      calibration_alpha={g: counts[g][0] / max(sum(counts[g]), 1) for g in speculative},
-      accepted=sum(counts[g][0] for g in speculative),
-      rejected=sum(counts[g][1] for g in speculative))
+  name = _name(model.decode_fn)
+  if name == _name(decoding.speculative_sample) and decode_kwargs.get('gamma') == AUTO:
+    return (DecodingPolicy(range(max_gamma + 1), 'gamma', FALLBACK_GAMMA, **policy_kwargs),
+            gamma_decoders(model, decode_kwargs, max_gamma))
+  if (name == _name(beam_search.speculative_beam_search) and
+      decode_kwargs.get('branching') == AUTO):
+    return (DecodingPolicy(TREES, 'branching', FALLBACK_TREE, **policy_kwargs),
+            tree_decoders(model, decode_kwargs))
+  return DecodingPolicy((None,)), {None: model}
 
 
-def candidates(num_batches: int, max_gamma: int = MAX_GAMMA,
-               min_batches: int = MIN_BATCHES) -> Tuple[int, ...]:
-  """The gammas a job of num_batches batches compiles: 0 (target alone) to max_gamma, to be
-  `calibrate`d, or only FALLBACK_GAMMA for a job too short to pay for the calibration."""
-  if num_batches < min_batches:
-    return (FALLBACK_GAMMA,)
-  return tuple(range(max_gamma + 1))
+def _copy(model: models.EncoderDecoderModel, decode_fn: Callable,
+          decode_kwargs: Mapping[str, Any]) -> models.EncoderDecoderModel:
+  """`model` decoding with decode_fn(**decode_kwargs) (a new model: whether it needs the draft
+  follows from decode_fn)."""
+  return models.EncoderDecoderModel(
+      model.target_config, model.draft_config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
+      input_vocabulary=model.input_vocabulary, output_vocabulary=model.output_vocabulary,
+      draft_output_vocabulary=model.draft_output_vocabulary, eos_id=model.eos_id,
+      draft_eos_id=model.draft_eos_id)
 
 
-def calibration_batches(batch_size: int, available: int) -> int:
-  """How many batches of batch_size rows `calibrate` should use (of `available`)."""
-  return max(1, min(available, -(-CALIBRATION_ROWS // batch_size)))
-
-
-def wants_auto(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any]) -> bool:
-  """Whether `model` decodes with speculative_sample and gamma='auto' in decode_kwargs (the
-  effective arguments: gin-bound ones and the model's own)."""
-  fn = getattr(model.decode_fn, 'func', model.decode_fn)
-  return (getattr(fn, '__name__', None) == decoding.speculative_sample.__name__ and
-          decode_kwargs.get('gamma') == AUTO)
-
-
-def decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
-             max_gamma: int = MAX_GAMMA) -> Dict[int, models.EncoderDecoderModel]:
-  """The candidates of a gamma='auto' model: {gamma: a copy of model decoding at that gamma}.
-
-  0 is the target alone (`decoding.temperature_sample` with the same temperature, topk and
-  topp), 1..max_gamma speculative_sample. decode_kwargs: the effective arguments of
-  model.decode_fn (gin-bound and the model's). Only exact speculative sampling qualifies: a
-  lenience below 1 or a custom rule would make the choice change the output distribution.
-  """
+def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
+                   max_gamma: int = MAX_GAMMA) -> Dict[int, models.EncoderDecoderModel]:
+  """{gamma: model decoding at that gamma}: 0 is the target alone (`temperature_sample` with the
+  same temperature, topk and topp), 1..max_gamma speculative_sample. Only exact speculative
+  sampling qualifies: a lenience below 1 or a custom rule would make the choice change the
+  output distribution."""
   if max_gamma < 1:
     raise ValueError(f'max_gamma must be >= 1, got {max_gamma}.')
   if decode_kwargs.get('lenience', 1.0) != 1.0 or decode_kwargs.get('rule') is not None:
@@ -194,82 +244,26 @@ def decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any]
   target_only = {k: decode_kwargs[k] for k in ('temperature', 'topk', 'topp', 'rescale_log_probs',
                                                'max_decode_steps') if k in decode_kwargs}
   target_only.setdefault('topk', 0)  # speculative_sample's default, not T5X's topk=1
-  out = {0: models.EncoderDecoderModel(
-      model.target_config, model.draft_config, decode_fn=decoding.temperature_sample,
-      decode_kwargs=target_only, input_vocabulary=model.input_vocabulary,
-      output_vocabulary=model.output_vocabulary,
-      draft_output_vocabulary=model.draft_output_vocabulary, eos_id=model.eos_id,
-      draft_eos_id=model.draft_eos_id)}
+  out = {0: _copy(model, decoding.temperature_sample, target_only)}
   for gamma in range(1, max_gamma + 1):
-    out[gamma] = copy.copy(model)
-    out[gamma].decode_kwargs = {**model.decode_kwargs, 'gamma': gamma}
+    out[gamma] = _copy(model, model.decode_fn, {**model.decode_kwargs, 'gamma': gamma})
   return out
 
 
-class DecodingPolicy:
-  """Which decoder each batch of a job runs: the job's one fixed decoder, or gamma='auto'.
-
-  `choices` are the keys of the job's compiled decoders (`plan` makes them): `(None,)` for a
-  fixed decoder, gammas for gamma='auto' (0 = the target alone). The job calls `calibrate` once
-  on its first batches (a no-op for a single choice), then `choose` before and `observe` after
-  every batch. Every process of a multi-host job gets process 0's choice, since all of them
-  must run the same program.
-  """
-
-  def __init__(self, choices: Sequence[Optional[int]]):
-    if not choices:
-      raise ValueError('DecodingPolicy needs at least one choice.')
-    self.choices = tuple(choices)
-    self.tuner: Optional[GammaTuner] = None
-    self.calibration_seconds = 0.0
-
-  @property
-  def measured(self) -> bool:
-    """Whether batches choose between several decoders (after `calibrate`)."""
-    return len(self.choices) > 1
-
-  def calibrate(self, run: Callable[[Optional[int], Any], Any], batches: Sequence[Any],
-                clock: Callable[[], float] = time.perf_counter) -> None:
-    """Times every choice on `batches` (run(choice, batch) decodes one; compile first)."""
-    if not self.measured:
-      return
-    start = clock()
-    self.tuner = calibrate({g: (lambda batch, g=g: run(g, batch)) for g in self.choices},
-                           batches, clock=clock)
-    self.calibration_seconds = clock() - start
-
-  def choose(self) -> Optional[int]:
-    """The choice for the next batch."""
-    if self.tuner is None:
-      return self.choices[0]
-    choice = self.tuner.choose()
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      choice = int(multihost_utils.broadcast_one_to_all(np.int32(choice)))
-    return choice
-
-  def observe(self, stats: Mapping[str, Any]) -> None:
-    """Adds one decoded batch's per-row `DecodeStats` fields (this process's rows)."""
-    if self.tuner is not None:
-      self.tuner.observe(stats)
-
-  def summary(self) -> Dict[str, Any]:
-    """The calibration's figures and the current choice ({} for a single choice)."""
-    return self.tuner.summary() if self.tuner is not None else {}
+def tree_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any]
+                  ) -> Dict[Tuple[int, ...], models.EncoderDecoderModel]:
+  """{branching: model}: () is beam_search itself with the same beam arguments, the others
+  speculative_beam_search with that draft tree below each beam."""
+  plain = inspect.signature(beam_search.beam_search).parameters
+  out = {(): _copy(model, beam_search.beam_search,
+                   {k: v for k, v in decode_kwargs.items() if k in plain})}
+  for tree in TREES[1:]:
+    out[tree] = _copy(model, model.decode_fn, {**model.decode_kwargs, 'branching': tree})
+  return out
 
 
-def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any], num_batches: int,
-         max_gamma: int = MAX_GAMMA, min_batches: int = MIN_BATCHES
-         ) -> Tuple[DecodingPolicy, Dict[Optional[int], models.EncoderDecoderModel]]:
-  """The policy of a job of `num_batches` batches and its decoders, {choice: model}.
-
-  decode_kwargs: the effective arguments of model.decode_fn (gin-bound and the model's). A
-  gamma='auto' model gets gammas 0..max_gamma when the job has at least min_batches batches,
-  else FALLBACK_GAMMA alone (a job that short cannot pay for the calibration); any other model
-  is its own single choice, None.
-  """
-  if not wants_auto(model, decode_kwargs):
-    return DecodingPolicy((None,)), {None: model}
-  gammas = candidates(num_batches, max_gamma, min_batches)
-  decoders_ = decoders(model, decode_kwargs, max(max(gammas), 1))
-  return DecodingPolicy(gammas), {g: decoders_[g] for g in gammas}
+def expected_tokens(alpha: float, gamma: int) -> float:
+  """The paper's expected output tokens per target call: (1 - alpha^(gamma + 1)) / (1 - alpha)."""
+  if alpha >= 1.0:
+    return float(gamma + 1)
+  return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)

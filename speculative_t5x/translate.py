@@ -88,9 +88,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       'stdin, else a bundled sample)')
   parser.add_argument('--file', help='a file with one German sentence per line')
   parser.add_argument('--gamma', default=policy.AUTO,
-                      help="draft tokens per target call, or 'auto' (default): timed per "
-                           f'gamma on the first batches when there are at least '
-                           f'{policy.MIN_BATCHES} batches, else {policy.FALLBACK_GAMMA}')
+                      help="draft tokens per target call, or 'auto' (default): chosen per "
+                           'batch from measured batch times, gamma 0 (the target alone) '
+                           f'included; the first batch runs gamma {policy.FALLBACK_GAMMA}')
   parser.add_argument('--batch_size', type=int, default=8,
                       help='at most this many sentences per batch (fewer sentences: one batch '
                            'of exactly that many, so no padding rows are decoded)')
@@ -113,12 +113,12 @@ def _timed(pipe: pipeline.Pipeline, sentences: Sequence[str], gamma: Union[int, 
            ) -> Tuple[Dict[str, pipeline.Decoded], Dict[str, float], int]:
   """Greedy speculative and target-only decodes of `sentences`, and each one's median seconds.
 
-  Both are compiled (and gamma='auto' calibrated) first. A few sentences decode in
+  Both are compiled and run once first. A few sentences decode in
   milliseconds, where one pass of each is noise: the two alternate over several rounds.
   """
   passes = {'speculative': lambda: pipe.decode(sentences, 'speculative', gamma=gamma),
             'target-only': lambda: pipe.decode(sentences, 'target')}
-  results = {name: one_pass() for name, one_pass in passes.items()}  # compile, calibrate
+  results = {name: one_pass() for name, one_pass in passes.items()}  # compile
 
   def remember(name):
     def one_pass():
@@ -157,12 +157,16 @@ def _print_statistics(n: int, gamma: Union[int, str], results: Mapping[str, pipe
   alpha = stats['accepted'].sum() / max(stats['proposed'].sum(), 1)
   per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
   timing = f'median of {rounds} alternating runs' if rounds > 1 else 'one run each'
-  (rows, used), = result.schedule.items()
   chosen = str(gamma)
-  if gamma == policy.AUTO:
-    chosen = ', '.join(str(g) for g in sorted(used))
-    chosen = f'auto: {chosen}' + ('' if result.calibration else
-                                  ', too few batches to time each gamma')
+  if gamma == policy.AUTO:  # the schedule of the reported (last) pass, and what was measured
+    (rows, used), = result.schedule.items()
+    measured = result.policy['measured']
+    chosen = (f'auto at batch size {rows}: ' +
+              ', '.join(f'{g} x{n}' for g, n in sorted(used.items())) +
+              (' (the fallback; too few batches to measure others)'
+               if result.policy['fallback_only'] else
+               '; ms per output position ' +
+               ', '.join(f'{g}: {m["ms_per_position"]:.2f}' for g, m in measured.items())))
   spec, target_only = seconds['speculative'], seconds['target-only']
   print(f'\n{n} sentence{"s" * (n > 1)}, gamma={chosen}: '
         f'alpha={alpha:.3f}, {per_call:.2f} tokens per target call, speculative '

@@ -71,10 +71,11 @@ def test_pair_file_matches_training_model_files():
 @pytest.mark.parametrize('name,fn,expect', [
     ('baseline', 'temperature_sample', {'temperature': 0.0}),
     ('speculative_greedy', 'speculative_sample', {'gamma': 'auto', 'temperature': 0.0}),
-    ('speculative_sampling', 'speculative_sample', {'temperature': 1.0, 'topk': 0}),
+    ('speculative_sampling', 'speculative_sample', {'gamma': 'auto', 'temperature': 1.0,
+                                                    'topk': 0}),
     ('speculative_adaptive', 'speculative_sample', {'adaptive_gamma': True, 'gamma': 8}),
     ('bild', 'bild_decode', {'fallback_threshold': 0.6, 'rollback_threshold': 5.0}),
-    ('speculative_beam', 'speculative_beam_search', {'alpha': 0.6, 'branching': (8,)}),
+    ('speculative_beam', 'speculative_beam_search', {'alpha': 0.6, 'branching': 'auto'}),
     ('beam_search', 'beam_search', {'alpha': 0.6}),
 ])
 def test_decoding_configs_bind_the_decoder(name, fn, expect):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from speculative_t5x import decoding
+from speculative_t5x import policy
 from conftest import random_model, start_decoding
 from test_decoding import (NUM_SAMPLES, SMALL, SMALL_EOS, SMALL_LEN, _chi_square_p_value,
                            _exact_distribution)
@@ -89,3 +90,41 @@ def test_lenience_below_one_is_lossy_and_one_is_exact(lenience):
     assert 0.2 < alpha < 0.8  # a draft that differs from the target, so the test has teeth
   else:
     assert p_value < DIFFERENT, f'lenience {lenience} gives the target\'s distribution'
+
+
+def test_sampling_through_the_policy_samples_the_target():
+  """gamma='auto' at temperature 1: batches of one job run different gammas (the target alone
+  included), as the policy picks them from an injected clock; together they are still the
+  target's samples."""
+  rows = NUM_SAMPLES // 4
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(gamma, rng):
+    encs = jnp.repeat(ENC, rows, axis=0)
+    cache, t2l = start_decoding(*TARGET, encs, SMALL_LEN)
+    inputs = jnp.zeros((rows, SMALL_LEN), jnp.int32)
+    if gamma == 0:
+      return decoding.temperature_sample(inputs, cache, t2l, SMALL_EOS, decode_rng=rng,
+                                         temperature=1.0, topk=0)[0][:, 0]
+    draft_cache, d2l = start_decoding(*DRAFT, encs, SMALL_LEN)
+    return decoding.speculative_sample(inputs, cache, t2l, draft_cache, d2l, SMALL_EOS,
+                                       decode_rng=rng, temperature=1.0, gamma=gamma)[0][:, 0]
+
+  clock = [0.0]
+  costs = {0: 1.2, 1: 1.0, 2: 0.9}  # ms per output position: the search visits 1, 0, then 2
+  decoding_policy = policy.DecodingPolicy((0, 1, 2), 'gamma', 1, clock=lambda: clock[0])
+
+  def batch(gamma, b):
+    decodes = run(gamma, jax.random.PRNGKey(b))
+    clock[0] += costs[gamma] * policy.output_positions(decodes) / 1e3
+    return decodes, {}
+
+  chosen, samples = [], []
+  for b in range(4):
+    gamma, (decodes, _) = decoding_policy.decode(functools.partial(batch, b=b))
+    chosen.append(gamma)
+    samples.append(np.asarray(decodes))
+  p_value = _p_value(np.concatenate(samples), 1.0)
+  print(f'speculative sampling through the policy, gammas {chosen}: p={p_value:.3g}')
+  assert chosen == [1, 0, 2, 2]
+  assert p_value > SAME, 'sampling through the policy is not the target\'s sampler'

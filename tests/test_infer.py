@@ -179,18 +179,17 @@ def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
 
 def test_input_length_step_keeps_the_predictions(setup, tmp_path):
   """Batches padded only to their longest input, rounded up to 8, decode as at the full width,
-  also with gamma='auto' calibrating on batches of different widths (compiled as met)."""
+  also with gamma='auto' choosing per batch among batches of different widths (compiled as met)."""
   lines = _german_lines(6)
   source = tmp_path / 'in.txt'
   source.write_text('\n'.join([lines[0], ' '.join(lines[1:3]), lines[3], lines[4][:10],
                                lines[5], ' '.join(lines)]) + '\n', encoding='utf-8')
   full = _infer(setup, tmp_path / 'full', source)
   rounded = _infer(setup, tmp_path / 'rounded', source, input_length_step=8, max_gamma=1,
-                   auto_min_batches=1,
                    model=_model(decode_kwargs={'gamma': 'auto', 'temperature': 0.0}))
   assert full['config']['input_length_step'] == 0
   assert rounded['config']['input_length_step'] == 8
-  assert sorted(rounded['gamma_auto']['batch_ms']) == [0, 1]
+  assert sorted(rounded['policy']['measured']) == ['0', '1']  # both gammas ran batches
   assert [r['prediction'] for r in _outputs(tmp_path / 'rounded')] == [
       r['prediction'] for r in _outputs(tmp_path / 'full')]
   examples = inputs.read_input_file(source)
@@ -203,15 +202,21 @@ def test_input_length_step_keeps_the_predictions(setup, tmp_path):
 def test_beam_size_reaches_the_decoder(setup, tmp_path):
   """num_decodes is the beam size; the job writes each example's best beam (exact decoders)."""
   source = tmp_path / 'in.txt'
-  source.write_text('\n'.join(_german_lines(4)) + '\n', encoding='utf-8')
+  source.write_text('\n'.join(_german_lines(8)) + '\n', encoding='utf-8')
   outputs = {}
-  for name, fn in (('beam', beam_search.beam_search),
-                   ('speculative_beam', beam_search.speculative_beam_search)):
-    model = _model(decode_fn=fn, decode_kwargs={'alpha': 0.6})
+  for name, fn, branching in (('beam', beam_search.beam_search, None),
+                              ('speculative_beam', beam_search.speculative_beam_search, (8,)),
+                              ('auto', beam_search.speculative_beam_search, 'auto')):
+    kwargs = {'alpha': 0.6, **({'branching': branching} if branching else {})}
+    model = _model(decode_fn=fn, decode_kwargs=kwargs)
     summary = _infer(setup, tmp_path / name, source, model=model, num_decodes=3, output_ids=True)
     assert summary['config']['num_decodes'] == 3
     outputs[name] = [r['prediction_tokens'] for r in _outputs(tmp_path / name)]
-  assert outputs['speculative_beam'] == outputs['beam']
+  assert outputs['speculative_beam'] == outputs['beam'] == outputs['auto']
+  # branching='auto': beam_search itself first, then a tree; each example records its choice.
+  trees = [r['aux']['stats']['branching'] for r in _outputs(tmp_path / 'auto')]
+  assert trees[0] == [] and len({tuple(t) for t in trees}) >= 2
+  assert summary['policy']['setting'] == 'branching'
   examples = inputs.read_input_file(source)
   inputs.tokenize(examples, _model().input_vocabulary, 32, inputs.InputReport())
   enc = np.zeros((len(examples), 32), np.int32)
@@ -241,8 +246,11 @@ def test_sigkill_and_resume_equals_uninterrupted_run(setup, tmp_path):
          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
          'PYTHONPATH': os.pathsep.join([str(REPO / 'tests'), os.environ.get('PYTHONPATH', '')])}
   hook = (f'--gin_file={tmp_path / "hook.gin"}')
+  # A fixed gamma: under 'auto' each batch's gamma (so its decode statistics, not its
+  # prediction) depends on measured times, and this test compares whole records.
   (tmp_path / 'hook.gin').write_text('import infer_hooks\n'
-                                     'infer_script.infer.chunk_hook = @kill_after_chunk\n')
+                                     'infer_script.infer.chunk_hook = @kill_after_chunk\n'
+                                     'decoding.speculative_sample.gamma = 2\n')
   killed_dir = tmp_path / 'killed'
   killed = _cli(setup, killed_dir, hook, input_file=source, env={**env, 'KILL_AFTER_CHUNK': '2'})
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -337,7 +345,12 @@ def test_two_processes_merge_to_the_single_process_output(setup, tmp_path):
   assert single.returncode == 0, single.stderr[-3000:]
   got, want = _outputs(multi), _outputs(tmp_path / 'single')
   assert [r['index'] for r in got] == list(range(12))
-  assert got == want
+  # gamma='auto': process 0's choice for every batch, so both processes run one program; the
+  # gamma of a batch (and so its decode statistics) depends on measured times, its tokens not.
+  fields = lambda records: [(r['index'], r['prediction'], r['prediction_tokens']) for r in records]
+  assert fields(got) == fields(want)
+  gammas = [r['aux']['stats']['gamma'] for r in got]
+  assert all(gammas[i] == gammas[i + 1] for i in range(0, 12, 2))  # one gamma per batch
   summary = json.loads(next(multi.glob('*.summary.json')).read_text())
   assert summary['config']['processes'] == 2 and summary['config']['devices'] == 2
 

@@ -1,20 +1,92 @@
-"""gamma='auto': the tuner's choice, its calibration (with a fake clock) and the infer job."""
-
-import json
+"""The decoding policy: its search over measured batch times (an injected clock), the
+candidates it plans, and the infer job under gamma='auto'."""
 
 import numpy as np
 import pytest
 
-from speculative_t5x import policy
+from speculative_t5x import beam_search
 from speculative_t5x import decoding
 from speculative_t5x import models
+from speculative_t5x import policy
 
 from test_infer import DRAFT, TARGET, _infer, _model, _outputs, setup  # noqa: F401  (fixture)
 
 
-def _stats(accepted, rollbacks, rows=2):
-  return {'accepted': np.full(rows, accepted), 'rollbacks': np.full(rows, rollbacks),
-          'target_calls': np.full(rows, 5)}
+class FakeClock:
+  """A clock that advances only by what each batch is made to cost."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def _run_job(decoding_policy, clock, cost_ms, batches=40, positions=10):
+  """Decodes `batches` fake batches whose time is cost_ms[choice] per output position;
+  returns the choices made, in order."""
+  decodes = np.zeros((2, 12), np.int32)
+  decodes[0, :positions] = 5
+
+  def run(choice):
+    clock.now += cost_ms[choice] * positions / 1e3
+    return decodes, {}
+
+  return [decoding_policy.decode(run)[0] for _ in range(batches)]
+
+
+def _gamma_policy(clock, **kwargs):
+  return policy.DecodingPolicy(range(5), 'gamma', policy.FALLBACK_GAMMA, clock=clock, **kwargs)
+
+
+def test_picks_the_plain_decoder_when_speculation_is_slower():
+  clock = FakeClock()
+  costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}
+  choices = _run_job(_gamma_policy(clock), clock, costs)
+  assert choices[:2] == [1, 0]  # the fallback first, then its cheaper-looking neighbour
+  assert set(choices) == {0, 1}  # a local search: 0 has no cheaper neighbour; 2-4 never run
+  assert choices[-10:].count(0) >= 9
+  time = sum(costs[c] for c in choices)
+  assert time <= 1.03 * 40 * costs[0]  # exploration is bounded
+
+
+def test_picks_a_speculative_decoder_when_it_is_faster():
+  clock = FakeClock()
+  costs = {0: 2.0, 1: 1.4, 2: 1.1, 3: 1.2, 4: 1.5}
+  decoding_policy = _gamma_policy(clock)
+  choices = _run_job(decoding_policy, clock, costs)
+  assert choices[:4] == [1, 0, 2, 3]  # climbs from the fallback to the fastest
+  assert 4 not in choices and choices[-10:].count(2) >= 9
+  summary = decoding_policy.summary()
+  assert summary['best'] == 2 and not summary['fallback_only']
+  assert summary['measured']['2']['ms_per_position'] == pytest.approx(1.1)
+
+
+def test_follows_drift_by_re_measuring_neighbours():
+  clock = FakeClock()
+  costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}
+  decoding_policy = _gamma_policy(clock, window=4, explore_every=4)
+  _run_job(decoding_policy, clock, costs, batches=20)
+  costs.update({0: 2.0, 1: 1.0})  # the machine changes: speculation now pays
+  choices = _run_job(decoding_policy, clock, costs, batches=40)
+  assert choices[-10:].count(1) >= 7
+
+
+def test_a_short_job_runs_the_fallback_and_says_so():
+  clock = FakeClock()
+  decoding_policy = _gamma_policy(clock)
+  assert _run_job(decoding_policy, clock, {g: 1.0 for g in range(5)}, batches=1) == [1]
+  assert decoding_policy.summary()['fallback_only']
+  fixed = policy.DecodingPolicy((None,))
+  assert not fixed.measured and fixed.summary() == {}
+  assert _run_job(fixed, clock, {None: 1.0}, batches=3) == [None] * 3
+
+
+def test_output_positions_is_the_longest_output():
+  decodes = np.array([[5, 6, 1, 0], [5, 1, 0, 0]])
+  assert policy.output_positions(decodes) == 3
+  assert policy.output_positions(decodes[:, None]) == 3  # with a beam axis
+  assert policy.output_positions(np.zeros((2, 4))) == 1
 
 
 def test_expected_tokens_is_the_papers_formula():
@@ -23,80 +95,26 @@ def test_expected_tokens_is_the_papers_formula():
   assert policy.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_tuner_follows_the_running_alpha():
-  tuner = policy.GammaTuner(batch_ms={0: 100.0, 1: 70.0, 2: 60.0, 3: 64.0},
-                               calibration_alpha={1: 0.8, 2: 0.8, 3: 0.8}, accepted=8, rejected=2)
-  assert tuner.alpha == pytest.approx(0.8)
-  assert tuner.predicted_ms(2) == pytest.approx(60.0)  # at the calibration alpha: as measured
-  assert tuner.choose() == 2
-  # The draft stops being accepted: every speculative gamma now costs more than the target.
-  for _ in range(50):
-    tuner.observe(_stats(accepted=0, rollbacks=1))
-  assert tuner.alpha < 0.1
-  assert tuner.choose() == 0
-  # A nearly perfect draft makes the longest draft worth it.
-  for _ in range(400):
-    tuner.observe(_stats(accepted=10, rollbacks=0))
-  assert tuner.choose() == 3
-  assert json.dumps(tuner.summary())
-
-
-def test_calibrate_times_every_candidate_round_robin():
-  costs = {0: 9, 1: 5, 2: 4}  # fake milliseconds per call
-  clock_ms = [0.0]
-  calls = []
-
-  def predict_at(gamma):
-    def predict(batch):
-      assert batch == 'batch'
-      calls.append(gamma)
-      clock_ms[0] += costs[gamma]
-      return np.zeros(1), {'stats': _stats(accepted=3 * gamma, rollbacks=1 if gamma else 0)}
-    return predict
-
-  tuner = policy.calibrate({g: predict_at(g) for g in costs}, ['batch', 'batch'], repeats=2,
-                              clock=lambda: clock_ms[0] / 1e3)
-  assert calls == [0, 0, 1, 1, 2, 2] * 3  # one untimed pass each, then 2 interleaved rounds
-  assert tuner.batch_ms == pytest.approx({0: 9.0, 1: 5.0, 2: 4.0})
-  assert tuner.calibration_alpha == pytest.approx({1: 6 / 8, 2: 12 / 14})
-  assert tuner.choose() == 2
-  # The machine slows down 3x for one round: candidates are compared within rounds.
-  slow = iter([1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3] + [1] * 6)
-  clock_ms[0] = 0.0
-
-  def drifting_predict(gamma):
-    def predict(batch):
-      clock_ms[0] += costs[gamma] * next(slow)
-      return np.zeros(1), {'stats': _stats(accepted=1, rollbacks=1)}
-    return predict
-
-  drifted = policy.calibrate({g: drifting_predict(g) for g in costs}, ['b', 'b'], repeats=2,
-                                clock=lambda: clock_ms[0] / 1e3)
-  assert drifted.batch_ms[1] / drifted.batch_ms[0] == pytest.approx(5 / 9)
-  assert drifted.batch_ms[2] / drifted.batch_ms[0] == pytest.approx(4 / 9)
-  with pytest.raises(ValueError, match='gamma 0'):
-    policy.calibrate({1: predict_at(1)}, ['batch'])
-  with pytest.raises(ValueError, match='batches'):
-    policy.calibrate({0: predict_at(0)}, [])
-  assert policy.calibration_batches(1, 100) == policy.CALIBRATION_ROWS
-  assert policy.calibration_batches(32, 100) == 1
-  assert policy.calibration_batches(2, 3) == 3
-  assert policy.candidates(policy.MIN_BATCHES, max_gamma=3) == (0, 1, 2, 3)
-  assert policy.candidates(policy.MIN_BATCHES - 1) == (policy.FALLBACK_GAMMA,)
-
-
-def test_decoders_cover_target_only_and_each_gamma():
+def test_plan_covers_target_only_each_gamma_and_beam_trees():
   model = models.EncoderDecoderModel(TARGET, DRAFT, decode_kwargs={'gamma': 'auto',
                                                                    'temperature': 0.0})
-  assert policy.wants_auto(model, model.decode_kwargs)
-  out = policy.decoders(model, model.decode_kwargs, max_gamma=3)
-  assert sorted(out) == [0, 1, 2, 3]
+  decoding_policy, out = policy.plan(model, model.decode_kwargs, max_gamma=3)
+  assert decoding_policy.choices == (0, 1, 2, 3) and decoding_policy.setting == 'gamma'
   assert out[0].decode_fn is decoding.temperature_sample and not out[0].uses_draft
   assert out[0].decode_kwargs == {'temperature': 0.0, 'topk': 0}
   assert [out[g].decode_kwargs['gamma'] for g in (1, 2, 3)] == [1, 2, 3]
   assert model.decode_kwargs['gamma'] == 'auto'  # the original is untouched
   with pytest.raises(ValueError, match='lenience'):
-    policy.decoders(model, {'gamma': 'auto', 'lenience': 0.5})
+    policy.plan(model, {'gamma': 'auto', 'lenience': 0.5})
+  beam = models.EncoderDecoderModel(TARGET, DRAFT, decode_fn=beam_search.speculative_beam_search,
+                                    decode_kwargs={'branching': 'auto', 'alpha': 0.6})
+  decoding_policy, out = policy.plan(beam, beam.decode_kwargs)
+  assert decoding_policy.choices == policy.TREES and decoding_policy.fallback == ()
+  assert out[()].decode_fn is beam_search.beam_search and not out[()].uses_draft
+  assert out[()].decode_kwargs == {'alpha': 0.6}
+  assert out[(2,)].decode_kwargs == {'branching': (2,), 'alpha': 0.6}
+  fixed = models.EncoderDecoderModel(TARGET, DRAFT, decode_kwargs={'gamma': 2})
+  assert policy.plan(fixed, fixed.decode_kwargs)[0].choices == (None,)
 
 
 def test_speculative_sample_refuses_auto_with_a_pointer():
@@ -105,19 +123,17 @@ def test_speculative_sample_refuses_auto_with_a_pointer():
 
 
 def test_infer_with_gamma_auto_equals_a_fixed_gamma(setup, tmp_path):  # noqa: F811
-  """Calibrated (every batch: min_batches 1) and fixed-gamma runs write the same predictions."""
+  """gamma='auto' (every batch a real batch of the job, whatever gamma ran it) and a fixed gamma
+  write the same predictions; the summary states the schedule and the measurements."""
   fixed = _infer(setup, tmp_path / 'fixed', setup / 'in.txt')
-  auto = _infer(setup, tmp_path / 'auto', setup / 'in.txt', max_gamma=2, auto_min_batches=1,
+  auto = _infer(setup, tmp_path / 'auto', setup / 'in.txt', max_gamma=2,
                 model=_model(decode_kwargs={'gamma': 'auto', 'temperature': 0.0}))
   assert [r['prediction'] for r in _outputs(tmp_path / 'auto')] == [
       r['prediction'] for r in _outputs(tmp_path / 'fixed')]
-  info = auto['gamma_auto']
-  assert sorted(info['batch_ms']) == [0, 1, 2]
-  assert sum(info['examples_by_gamma'].values()) == 12
+  info = auto['policy']
+  assert info['setting'] == 'gamma' and info['batch_size'] == 2 and info['fallback'] == 1
+  assert sum(info['examples_by_choice'].values()) == 12
   used = {r['aux']['stats']['gamma'] for r in _outputs(tmp_path / 'auto')}
-  assert used <= {0, 1, 2} and used == set(info['examples_by_gamma'])
-  assert auto['calibration_seconds'] > 0 and fixed['gamma_auto'] is None
-  # A short job skips calibration.
-  short = _infer(setup, tmp_path / 'short', setup / 'in.txt',
-                 model=_model(decode_kwargs={'gamma': 'auto', 'temperature': 0.0}))
-  assert short['gamma_auto'] == {'examples_by_gamma': {policy.FALLBACK_GAMMA: 12}}
+  assert used <= {0, 1, 2} and len(used) >= 2  # 6 batches: the search tried a neighbour
+  assert {str(g) for g in used} == set(info['examples_by_choice']) == set(info['measured'])
+  assert fixed['policy'] is None
