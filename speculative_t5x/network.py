@@ -52,6 +52,15 @@ class T5Config:
   T5 1.1: mlp_activations=('gelu', 'linear'), logits_via_embedding=False.
   T5 1.0: mlp_activations=('relu',), logits_via_embedding=True.
   `dtype` is the activation dtype; parameters are always stored in float32.
+  float32_attention_logits: attention logits and softmax in float32 (T5X's option).
+  float32_logits: the decoder's final layer norm and output projection in float32 whatever
+    `dtype` is: the norm's output is not rounded to `dtype` and the projection (`logits_dense`,
+    the tied embedding's `Embed.attend` or the decode-time `logits_kernel`) multiplies in
+    float32, so greedy argmaxes compare float32 logits, not logits rounded to bf16 (spaced 1/32
+    apart in [4, 8), 1/16 in [8, 16): coarser than a near-tie of the top two). It does not
+    make bf16 greedy speculative decoding token-identical to bf16 target-only greedy: the k-token
+    verify call and the 1-token calls already round the decoder layers' bf16 activations
+    differently (benchmarks/numerics.py measures both).
   """
   vocab_size: int
   dtype: DType = jnp.float32
@@ -65,6 +74,7 @@ class T5Config:
   dropout_rate: float = 0.1
   logits_via_embedding: bool = False
   float32_attention_logits: bool = False
+  float32_logits: bool = False
 
   def __post_init__(self):
     # Normalise so configs from gin/JSON (lists, dtype names) hash and compare equal.
@@ -189,9 +199,11 @@ class Embed(nn.Module):
     """[batch, length] int -> [batch, length, emb]. A gather equals T5X's one-hot matmul exactly."""
     return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
 
-  def attend(self, query: Array) -> Array:
-    """[..., emb] -> [..., vocab] logits against the embedding table."""
-    return jnp.dot(query.astype(self.dtype), self.embedding.astype(self.dtype).T)
+  def attend(self, query: Array, dtype: Optional[DType] = None) -> Array:
+    """[..., emb] -> [..., vocab] logits against the embedding table, computed in `dtype`
+    (default: the module's)."""
+    dtype = self.dtype if dtype is None else dtype
+    return jnp.dot(query.astype(dtype), self.embedding.astype(dtype).T)
 
 
 class RelativePositionBiases(nn.Module):
@@ -484,7 +496,7 @@ class Decoder(nn.Module):
     cfg = self.config
     self.relpos_bias = RelativePositionBiases(cfg.num_heads, bidirectional=False, dtype=cfg.dtype)
     self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
-    self.decoder_norm = RMSNorm(cfg.dtype)
+    self.decoder_norm = RMSNorm(jnp.float32 if cfg.float32_logits else cfg.dtype)
     self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     if not cfg.logits_via_embedding:
       self.logits_dense = Dense((cfg.vocab_size,), ('embed', 'vocab'), dtype=jnp.float32)
@@ -492,11 +504,12 @@ class Decoder(nn.Module):
   def _logits(self, y: Array, deterministic: bool) -> Array:
     y = self.dropout(self.decoder_norm(y), deterministic=deterministic)
     if self.config.logits_via_embedding:
+      # In the norm's dtype: float32 under float32_logits, else the config's.
       if self.has_variable(DECODE_COLLECTION, 'logits_kernel'):
         kernel = self.get_variable(DECODE_COLLECTION, 'logits_kernel')
-        logits = jnp.dot(y.astype(self.config.dtype), kernel.astype(self.config.dtype))
+        logits = jnp.dot(y, kernel.astype(y.dtype))
       else:
-        logits = self.shared_embedding.attend(y)
+        logits = self.shared_embedding.attend(y, y.dtype)
       return logits / jnp.sqrt(y.shape[-1]).astype(y.dtype)
     return self.logits_dense(y)
 

@@ -1,5 +1,6 @@
 """The network: T5X's parameter tree and outputs, and the multi-token per-row cache."""
 
+import dataclasses
 import json
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 from flax import serialization
 from flax.traverse_util import flatten_dict
 
+from speculative_t5x import checkpoints
 from speculative_t5x import network
 from conftest import ragged_tokens, tiny_config, random_model, start_decoding
 
@@ -165,6 +167,63 @@ def test_rollback_equals_fresh_run(overrides):
     fresh, _ = module.apply({'params': params}, tokens, fresh_cache,
                             method=network.Transformer.decode_step)
     np.testing.assert_allclose(np.asarray(rolled[b]), np.asarray(fresh[0, -4:]), atol=1e-5)
+
+
+def test_float32_logits_option():
+  """float32_logits: a bf16 network's final norm and logits in float32 (tied embedding or
+  logits_dense; the teacher-forced pass and the cached step with the decode-time logits_kernel),
+  equal to the float32 computation from its last layer's output; off, the logits are unchanged;
+  the layers before are untouched either way."""
+  enc = ragged_tokens(jax.random.PRNGKey(12), 2, 6, 64)
+  dec = ragged_tokens(jax.random.PRNGKey(13), 2, 5, 64, min_length=5)
+
+  def run(config, params, decode_step):
+    """(logits, {module: its captured output}) of the teacher-forced pass or one 5-token step."""
+    module = network.Transformer(config)
+    if decode_step:
+      cache, _ = start_decoding(module, params, enc, 8)
+      variables = {'params': params,
+                   network.DECODE_COLLECTION: network.decode_variables(config, params)}
+      (logits, _), state = module.apply(variables, dec, cache, capture_intermediates=True,
+                                        mutable=['intermediates'],
+                                        method=network.Transformer.decode_step)
+    else:
+      logits, state = module.apply({'params': params}, enc, dec, dec, capture_intermediates=True,
+                                   mutable=['intermediates'])
+    captured = state['intermediates']['decoder']
+    last = captured[f'layers_{config.num_decoder_layers - 1}']['__call__'][0][0]
+    return logits, last, captured['decoder_norm']['__call__'][0]
+
+  for tied in (True, False):
+    cfg = tiny_config(logits_via_embedding=tied, dtype=jnp.bfloat16)
+    params, _ = network.init_params(cfg, jax.random.PRNGKey(11))
+    if tied:
+      kernel = params['token_embedder']['embedding'].T / np.sqrt(cfg.emb_dim)
+    else:
+      kernel = params['decoder']['logits_dense']['kernel']
+    for decode_step in (False, True):
+      off, last, y = run(cfg, params, decode_step)
+      on, on_last, _ = run(dataclasses.replace(cfg, float32_logits=True), params, decode_step)
+      np.testing.assert_array_equal(last, on_last)
+      assert on.dtype == jnp.float32 and off.dtype == (jnp.bfloat16 if tied else jnp.float32)
+      if tied:
+        expected_off = (jnp.dot(y, params['token_embedder']['embedding'].astype(y.dtype).T) /
+                        jnp.sqrt(cfg.emb_dim).astype(y.dtype))
+      else:
+        expected_off = jnp.dot(y.astype(jnp.float32), kernel)
+      np.testing.assert_array_equal(np.asarray(off, np.float32),
+                                    np.asarray(expected_off, np.float32))
+      x = np.asarray(last, np.float64)
+      y32 = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * np.asarray(
+          params['decoder']['decoder_norm']['scale'], np.float64)
+      expected_on = y32 @ np.asarray(kernel, np.float64)
+      assert np.abs(np.asarray(on) - expected_on).max() <= 1e-5 * np.abs(expected_on).max()
+
+  # Stored configs (weights files, config.json) without the field load with it off.
+  stored = checkpoints.config_to_dict(dataclasses.replace(cfg, float32_logits=True))
+  assert network.T5Config(**stored).float32_logits
+  del stored['float32_logits']
+  assert network.T5Config(**stored) == cfg
 
 
 def test_core_modules_do_not_import_tensorflow():
