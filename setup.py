@@ -49,7 +49,8 @@ setuptools.setup(
         # Hugging Face folders: safetensors are read without these; pytorch_model.bin needs
         # torch, and the logit-parity tests build models with transformers.
         'hf': ['torch>=2.0', 'transformers>=4.30'],
-        # scripts/benchmark.py: plots, BLEU, and HF assisted generation (transformers 5 API).
+        # benchmarks/ (python -m benchmarks.speed): plots, BLEU, and HF assisted generation
+        # (transformers 5 API).
         'bench': ['matplotlib>=3.5', 'sacrebleu>=2.0', 'torch>=2.0', 'transformers>=5.0'],
     },
 )

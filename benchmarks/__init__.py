@@ -6,6 +6,8 @@
   vs_t5x         this project's decoders against real T5X's greedy decoder (needs T5X)
   profile        step costs, kernel breakdown, the loop's own overhead, one iteration's cost
   encoder_width  inputs padded to 64 vs each batch's longest rounded up
+  numerics       bfloat16 greedy identity: speculative vs target-only vs float32, near-ties,
+                 and the float32_logits option
 
 All of them share `harness` (the pair, test-split batches, per-shape compilation, round-robin
 timing, machine probes) and its flags (--sentences 1:80,8:160, --gammas 1,2,auto, --rounds N,

@@ -89,6 +89,8 @@ class Setting(NamedTuple):
 
   @property
   def tree(self) -> Tuple[int, ...]:
+    if self.branching == policy.AUTO:
+      return ()
     return tuple(int(b) for b in self.branching.split(',') if b)
 
   def decoder(self) -> Tuple[Callable, Dict[str, Any]]:
@@ -96,7 +98,8 @@ class Setting(NamedTuple):
     if self.method == 'beam':
       return beam_search.beam_search, {'alpha': BEAM_ALPHA}
     if self.method == 'speculative_beam':
-      return beam_search.speculative_beam_search, {'alpha': BEAM_ALPHA, 'branching': self.tree}
+      branching = policy.AUTO if self.branching == policy.AUTO else self.tree
+      return beam_search.speculative_beam_search, {'alpha': BEAM_ALPHA, 'branching': branching}
     if self.method == 'baseline':
       # topk=0: T5X's temperature_sample defaults to top-1, i.e. greedy even at temperature 1.
       return decoding.temperature_sample, {'temperature': self.temperature, 'topk': 0}
@@ -256,7 +259,7 @@ class Compiled:
   def info(self) -> Dict[str, Any]:
     """compile_s, and under gamma='auto' the policy's measurements and batches per gamma."""
     out = {'compile_s': self.predictor.compile_seconds}
-    if self.setting.gamma == policy.AUTO:
+    if policy.AUTO in (self.setting.gamma, self.setting.branching):
       out.update(gammas_used={str(g): n for g, n in sorted(self.choices_used.items())},
                  policy=self.decoding_policy.summary())
     return out
@@ -265,9 +268,10 @@ class Compiled:
 def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch], *,
                     decode_overrides: Optional[Mapping[str, Any]] = None,
                     eos_id: Optional[int] = None, seed: int = 0) -> Compiled:
-  """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (for
-  gamma='auto' every gamma `policy.plan` gives, chosen per batch as the infer job does). decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id:
-  replaces the vocabulary's (-1: no row stops early)."""
+  """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (under
+  'auto' every choice `policy.plan` gives, chosen per batch as the infer job does).
+  decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id: replaces the
+  vocabulary's (-1: no row stops early)."""
   decode_fn, kwargs = setting.decoder()
   kwargs = {**kwargs, **(decode_overrides or {})}
   model = pair.model(decode_fn, kwargs)

@@ -100,7 +100,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
     raise SystemExit('error: --bild wants fallback:rollback pairs like 0.6:5 and --beams '
                      'beam:branching pairs like 4:8') from None
   settings = grid(harness.parse_gammas(args.gammas),
-                  harness.parse_gammas(args.sampling_gammas, False, '--sampling_gammas'), bild,
+                  harness.parse_gammas(args.sampling_gammas, True, '--sampling_gammas'), bild,
                   not args.no_adaptive, beams)
   if not settings:
     raise SystemExit('error: nothing to run (no gammas, BiLD pairs or beams)')

@@ -88,11 +88,14 @@ def load_pair(target: PathLike = EMBEDDED_TARGET, draft: PathLike = EMBEDDED_DRA
   """Loads a target/draft pair (default: the embedded one) and prepares it for decoding once.
 
   Configs are needed for T5X and Hugging Face checkpoints and read from the project's weight
-  files. Raises FileNotFoundError or a one-line ValueError for a checkpoint that is missing or
+  files. dtype (e.g. 'bfloat16'): parameters and activations; None keeps both as loaded. Raises FileNotFoundError or a one-line ValueError for a checkpoint that is missing or
   does not match its config.
   """
   target_config, target_params = load_model(target, target_config, dtype)
   draft_config, draft_params = load_model(draft, draft_config, dtype)
+  if dtype is not None:  # activations in dtype too, as the infer job's `dtype` does
+    target_config = dataclasses.replace(target_config, dtype=dtype)
+    draft_config = dataclasses.replace(draft_config, dtype=dtype)
   params = {'target': target_params, 'draft': draft_params}
   # Decode-time weight layouts once, not once per batch.
   params = jax.jit(models.EncoderDecoderModel(

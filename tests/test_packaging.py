@@ -67,8 +67,8 @@ def test_wheel_carries_models_vocabulary_configs_and_sample(wheel):
   for name, path in shipped.items():
     assert name in names, f'{name} missing from the wheel'
     assert wheel.read(name) == path.read_bytes(), name
-  assert not any(n.startswith(('gin_configs/', 'tests/', 'scripts/', 'results/', '.ci/'))
-                 for n in names)
+  assert not any(n.startswith(('gin_configs/', 'tests/', 'scripts/', 'benchmarks/', 'results/',
+                               '.ci/')) for n in names)
 
 
 def test_wheel_declares_the_console_scripts(wheel):

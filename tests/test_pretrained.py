@@ -156,7 +156,7 @@ def test_hf_export_of_target(pair, sentences, target_greedy):
   np.testing.assert_allclose(logits[upto_eos], theirs[upto_eos], atol=1e-4 * scale, rtol=0)
 
   # transformers 5.x sizes generate()'s own decoder cache by num_layers (the encoder's 5) and
-  # fails on this 6-layer decoder; a lazily grown cache works (as scripts/benchmark.py does).
+  # fails on this 6-layer decoder; a lazily grown cache works (as benchmarks/speed.py does).
   from transformers import cache_utils  # pylint: disable=g-import-not-at-top
   draft = hf.to_hf_model(pair[1], params['draft'])
 
