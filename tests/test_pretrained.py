@@ -15,6 +15,7 @@ from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import pipeline
+from speculative_t5x import policy
 
 PRETRAINED = Path(data.__file__).resolve().parent / 'pretrained'
 LENGTH = 32  # input and output tokens
@@ -93,6 +94,15 @@ def test_pipeline_decodes_strings_to_the_target_greedy_texts(loaded, sentences, 
   assert auto.texts == want and auto.schedule == {4: {1: 1, 0: 1}}
   assert auto.policy['setting'] == 'gamma' and set(auto.policy['measured']) == {'0', '1'}
   assert pipe.decode(sentences).texts == want  # the policy goes on measuring across calls
+  # compile() compiles every gamma ahead, so that no later decode compiles (the translate
+  # command times decode calls).
+  assert pipe.compile(sentences) > 0
+  _, predictor = pipe.prepare('speculative', {}, 4)
+  assert {choice for choice, _ in predictor._compiled} == set(range(policy.MAX_GAMMA + 1))
+  compiled = predictor.compile_seconds
+  for _ in range(3):
+    pipe.decode(sentences)
+  assert predictor.compile_seconds == compiled and pipe.compile(sentences) == 0
   assert pipe.decode(sentences, 'target').texts == want
   with pytest.raises(ValueError, match='unknown decoder'):
     pipe.decode(sentences, 'nonsense')
