@@ -14,13 +14,15 @@ open into its candidates, ordered from the plain decoder to the most speculative
 
 and a `DecodingPolicy` that picks one per batch. Every batch is a real batch of the job (its
 outputs are kept: there is no separate calibration); its time per output position (wall time
-over the longest output of the batch) is recorded for the choice that ran it. The first batch
-runs the fallback; afterwards each batch runs the fastest choice measured so far, except that an
-untried neighbour of it (one step more or less speculative) is tried first: a local search that
-stops where both neighbours measured slower, so a job tries two or three choices, not all. Every
-`explore_every`-th batch re-measures a neighbour (the one measured longest ago), so a long job
-follows the machine's drift; a choice's cost is the median of its last `window` batches. A job
-shorter than the search runs the fallback, and its summary says so.
+over the longest output of the batch) is recorded for the choice that ran it, and a choice's
+cost is the median of its last `window` batches. The first batch runs the fallback; then the
+running choice's untried neighbours (one step more or less speculative) are tried, and a
+neighbour that measures faster is measured again (`CONFIRM` batches) before it becomes the
+running choice: a local search that stops where both neighbours are slower, so a job tries two
+or three choices, not all. A neighbour is re-measured `explore_every` batches after it last
+ran, and twice as long after each time it is still slower, so a long job follows the machine's
+drift at a cost that shrinks. A job shorter than the search runs the fallback, and its summary
+says so.
 
 BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
 """
@@ -50,7 +52,14 @@ FALLBACK_GAMMA = 1
 TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
 FALLBACK_TREE: Tuple[int, ...] = ()
 WINDOW = 8
+# A neighbour measured slower is re-measured EXPLORE_EVERY batches later, then after twice as
+# many each time it is still slower (at most MAX_EXPLORE_EVERY): a long job keeps following the
+# machine's drift, and a neighbour that never pays costs ever fewer batches.
 EXPLORE_EVERY = 16
+MAX_EXPLORE_EVERY = 256
+# A choice replaces the running one only once its median over this many batches is lower: one
+# batch's time is noisy (at batch 1, one sentence).
+CONFIRM = 2
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -93,6 +102,7 @@ class _Record:
   costs: Deque[float]
   batches: int = 0
   last: int = -1  # the job's batch number it last ran
+  interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
 
   @property
   def cost(self) -> float:
@@ -118,8 +128,11 @@ class DecodingPolicy:
     self.setting = setting
     self.fallback = fallback if fallback in self.choices else self.choices[0]
     self.explore_every = explore_every
+    self.window = window
     self.clock = clock
-    self.records = {c: _Record(collections.deque(maxlen=window)) for c in self.choices}
+    self.records = {c: _Record(collections.deque(maxlen=window), interval=explore_every)
+                    for c in self.choices}
+    self.current = self.fallback  # the running choice
     self.batches = 0
 
   @property
@@ -128,25 +141,31 @@ class DecodingPolicy:
     return len(self.choices) > 1
 
   def best(self) -> Any:
-    """The measured fastest choice (the fallback before any measurement)."""
-    if not any(r.costs for r in self.records.values()):
-      return self.fallback
-    return min(self.choices, key=lambda c: self.records[c].cost)
+    """The running choice: the fastest confirmed one (the fallback before any measurement)."""
+    return self.current
+
+  def _neighbours(self) -> List[Any]:
+    i = self.choices.index(self.current)
+    return [self.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(self.choices)]
 
   def _next(self) -> Any:
     if not self.measured:
       return self.choices[0]
-    if not any(r.costs for r in self.records.values()):
-      return self.fallback
-    best = self.best()
-    i = self.choices.index(best)
-    neighbours = [self.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(self.choices)]
-    untried = [c for c in neighbours if not self.records[c].costs]
-    if untried:
-      return untried[0]
-    if self.batches % self.explore_every == self.explore_every - 1:
-      return min(neighbours, key=lambda c: self.records[c].last)
-    return best
+    records, current = self.records, self.records[self.current]
+    if not current.costs:  # the first batch: the fallback
+      return self.current
+    neighbours = self._neighbours()
+    for choice in neighbours:  # looks faster after too few batches: measure it again
+      if records[choice].costs and records[choice].cost < current.cost and len(
+          records[choice].costs) < CONFIRM:
+        return choice
+    for choice in neighbours:  # the local search: an untried neighbour first
+      if not records[choice].costs:
+        return choice
+    due = [c for c in neighbours if self.batches - records[c].last >= records[c].interval]
+    if due:  # re-measure a neighbour now and then: the machine's speed drifts
+      return min(due, key=lambda c: records[c].last)
+    return self.current
 
   def choose(self) -> Any:
     """The choice for the next batch, process 0's in a multi-host job (all run one program)."""
@@ -164,6 +183,14 @@ class DecodingPolicy:
     record.batches += 1
     record.last = self.batches
     self.batches += 1
+    confirmed = [c for c in self.choices if c == self.current or
+                 len(self.records[c].costs) >= min(CONFIRM, self.window)]
+    best = min(confirmed, key=lambda c: self.records[c].cost)
+    if best != self.current:
+      self.records[self.current].interval = self.explore_every
+      self.current = best
+    elif choice != self.current and record.cost >= self.records[self.current].cost:
+      record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
 
   def decode(self, run: Callable[[Any], Any], prepare: Optional[Callable[[Any], Any]] = None
              ) -> Tuple[Any, Any]:
