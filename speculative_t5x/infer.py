@@ -291,15 +291,6 @@ def _load(path: Optional[str], config: network.T5Config, dtype: Optional[jnp.dty
     raise InferError(f'{role} checkpoint: {str(e).splitlines()[0]}') from None
 
 
-def _config_dict(config: Optional[network.T5Config]) -> Optional[Dict[str, Any]]:
-  if config is None:
-    return None
-  out = dataclasses.asdict(config)
-  out['dtype'] = str(jnp.dtype(out['dtype']))
-  out['mlp_activations'] = list(out['mlp_activations'])
-  return out
-
-
 def _decode_fn_name(fn: Any) -> str:
   return getattr(getattr(fn, 'func', fn), '__name__', str(fn))
 
@@ -355,8 +346,9 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   store = chunks.ChunkStore(Path(output_dir), job.name, shard_id, num_shards, job.num_processes)
   if job.process == 0:
     chunks.atomic_write(Path(output_dir) / 'config.gin', gin.config_str())
-  if store.completed_summary() is not None:
-    return store.completed_summary()
+  done = store.completed_summary()
+  if done is not None:
+    return done
   examples, report = _read(job, model.input_vocabulary or vocabulary)
   default_temperature = _row_temperatures(model, decode_kwargs, examples)
   store.claim(chunks.run_key(gin.config_str(), [ex.index for ex in examples],
@@ -367,7 +359,8 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
                                     job.dtype, job.partitioner)
   compile_start = time.time()
   decoding_policy, decoders = policy.plan(model, decode_kwargs, max_gamma)
-  predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes)
+  predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes,
+                                 warm_up=decoding_policy.measured)
   run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), default_temperature)
   run.compile_first(examples)
   run.compile_seconds = time.time() - compile_start
@@ -375,7 +368,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   if job.process != 0:
     return {}
   records, decode_seconds = store.merge(run.num_chunks(examples), [ex.index for ex in examples])
-  summary = _summary(records, model, report, {
+  summary = _summary(records, model, decode_kwargs, report, {
       'wall_seconds': time.time() - wall_start, 'compile_seconds': run.compile_seconds,
       'load_seconds': load_seconds, 'decode_seconds': decode_seconds,
       'resumed_chunks': resumed, 'chunks': run.num_chunks(examples)}, {
@@ -556,8 +549,8 @@ def _process_rows(outputs: Any, process: int, local_batch: int) -> Any:
 
 
 def _summary(records: List[Dict[str, Any]], model: models.EncoderDecoderModel,
-             report: inputs.InputReport, times: Dict[str, float],
-             run: Dict[str, Any]) -> Dict[str, Any]:
+             decode_kwargs: Mapping[str, Any], report: inputs.InputReport,
+             times: Dict[str, float], run: Dict[str, Any]) -> Dict[str, Any]:
   """Corpus-level statistics of a finished run (ratios of sums, not means of ratios)."""
   total = lambda key: int(sum(r['aux']['stats'].get(key, 0) for r in records))
   emitted, target_calls = total('emitted'), total('target_calls')
@@ -581,9 +574,9 @@ def _summary(records: List[Dict[str, Any]], model: models.EncoderDecoderModel,
                            'longest_input_tokens': report.longest_input},
       'config': {
           'decode_fn': _decode_fn_name(model.decode_fn),
-          'decode_kwargs': _bound_decode_kwargs(model.decode_fn, model.decode_kwargs),
-          'target': _config_dict(model.target_config),
-          'draft': _config_dict(model.draft_config) if model.uses_draft else None,
+          'decode_kwargs': decode_kwargs,
+          'target': checkpoints.config_to_dict(model.target_config),
+          'draft': checkpoints.config_to_dict(model.draft_config) if model.uses_draft else None,
           **run,
       },
   }

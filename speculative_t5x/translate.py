@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
@@ -65,16 +65,19 @@ def _read_sentences(args: argparse.Namespace) -> List[str]:
 
 
 def mean_token_log_probs(model: models.EncoderDecoderModel, params: dict,
-                         encoder_input_tokens: np.ndarray, decodes: np.ndarray) -> np.ndarray:
+                         encoder_input_tokens: np.ndarray, decodes: np.ndarray,
+                         score_batch: Optional[Callable[..., Any]] = None) -> np.ndarray:
   """The target's mean log-probability per output token (through EOS) of `decodes`: [batch].
 
   One teacher-forced pass (`score_batch`) over encoder_input_tokens [batch, input_length] and
-  decodes [batch, length] (0 after EOS, as the decoders return them).
+  decodes [batch, length] (0 after EOS, as the decoders return them). score_batch: a jitted
+  `model.score_batch` to reuse across calls (default: jitted here).
   """
   decoder_input_tokens = np.zeros_like(decodes)
   decoder_input_tokens[:, 1:] = decodes[:, :-1]
   weights = (decodes > 0).astype(np.float32)
-  scores = jax.jit(model.score_batch)(params, {
+  score_batch = score_batch or jax.jit(model.score_batch)
+  scores = score_batch(params, {
       'encoder_input_tokens': encoder_input_tokens, 'decoder_input_tokens': decoder_input_tokens,
       'decoder_target_tokens': decodes, 'decoder_loss_weights': weights})
   return np.asarray(scores) / np.maximum(weights.sum(axis=1), 1)
@@ -138,11 +141,13 @@ def _print_translations(pipe: pipeline.Pipeline, sentences: Sequence[str],
                         result: pipeline.Decoded) -> None:
   """Each translation, flagged where the target finds its own output unlikely."""
   model, log_probs = pipe.pair.model(), []
+  score_batch = jax.jit(model.score_batch)  # one jitted function for every batch
   for b, batch in enumerate(pipe.batches(sentences)):  # each batch has its own encoder width
     rows = len(batch['encoder_input_tokens'])
     decodes = result.tokens[b * rows:(b + 1) * rows]
     log_probs.append(mean_token_log_probs(
-        model, pipe.pair.params, np.asarray(batch['encoder_input_tokens'])[:len(decodes)], decodes))
+        model, pipe.pair.params, np.asarray(batch['encoder_input_tokens'])[:len(decodes)], decodes,
+        score_batch))
   log_probs = np.concatenate(log_probs)
   unusual = log_probs < OUT_OF_DOMAIN_LOG_PROB
   for source, translation, flag in zip(sentences, result.texts, unusual):
