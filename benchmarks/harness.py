@@ -215,6 +215,15 @@ def load_pair(target: str = str(pipeline.EMBEDDED_TARGET),
   return _sharded(pipeline.load_pair(target, draft))
 
 
+def with_layouts(pair: pipeline.Pair, fuse: bool) -> pipeline.Pair:
+  """The pair with its decode-time variables made again, with or without the stacked
+  projections (`network.decode_variables`), placed on the mesh."""
+  params = {name: pair.params[name] for name in pair.configs}
+  prepared = jax.jit(functools.partial(models.EncoderDecoderModel(
+      pair.target_config, pair.draft_config).with_decode_variables, fuse=fuse))(params)
+  return _sharded(dataclasses.replace(pair, params=prepared))
+
+
 def make_pair(target_config: network.T5Config, draft_config: network.T5Config,
               params: Mapping[str, Any]) -> pipeline.Pair:
   """A pair of given (e.g. random) params {'target', 'draft'}, prepared as `load_pair`'s."""
@@ -345,29 +354,37 @@ def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8
   return module, variables, cache.with_index(jnp.full((batch,), position, jnp.int32))
 
 
-def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
-                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16) -> Dict[int, float]:
-  """Median ms of one cached decode step of `name` ('target' or 'draft') appending k tokens per
-  row, for k in chunk_sizes.
-
-  Steps are timed as the decode loops run them: `steps_per_call` of them in one jitted
-  `fori_loop` carrying the cache (each step's index stays put, and depends on its logits so
-  that nothing is dead code). A step jitted alone would add a dispatch (~0.3-1 ms on a CPU) that
-  the loops do not pay and hide how the step grows with k (`dispatched_step_ms` measures that).
-  The sizes take turns in each round.
-  """
+def step_loop(pair: pipeline.Pair, name: str, batch: int, k: int, steps_per_call: int = 16
+              ) -> Tuple[Callable[[], jax.Array], Any]:
+  """(call, compiled) of `steps_per_call` cached decode steps of `name` ('target' or 'draft')
+  appending k tokens per row, as the decode loops run them: in one jitted `fori_loop` carrying
+  the cache (each step's index stays put, and depends on its logits so that nothing is dead
+  code). `compiled` is the lowered program (for its HLO)."""
   module, variables, cache = step_setup(pair, name, batch)
 
-  def steps(variables, cache, k):
+  def steps(variables, cache):
     def body(_, cache):
       logits, new_cache = module.apply(variables, jnp.full((batch, k), 5, jnp.int32), cache,
                                        method=network.Transformer.decode_step)
       return new_cache.with_index(cache.index + (jnp.argmax(logits[:, -1], axis=-1) < 0))
     return jax.lax.fori_loop(0, steps_per_call, body, cache).index
 
-  loops = {k: jax.jit(functools.partial(steps, k=k)) for k in sorted(set(chunk_sizes))}
-  times = policy.round_robin({k: (lambda f=f: f(variables, cache)) for k, f in loops.items()},
-                             rounds + 1)  # the first round compiles and warms up
+  compiled = jax.jit(steps).lower(variables, cache).compile()
+  return functools.partial(compiled, variables, cache), compiled
+
+
+def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
+                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16) -> Dict[int, float]:
+  """Median ms of one cached decode step of `name` ('target' or 'draft') appending k tokens per
+  row, for k in chunk_sizes, timed inside a loop (`step_loop`).
+
+  A step jitted alone would add a dispatch (~0.3-1 ms on a CPU) that the loops do not pay and
+  hide how the step grows with k (`dispatched_step_ms` measures that). The sizes take turns in
+  each round.
+  """
+  loops = {k: step_loop(pair, name, batch, k, steps_per_call)[0]
+           for k in sorted(set(chunk_sizes))}
+  times = policy.round_robin(loops, rounds + 1)  # the first round warms up
   return {k: 1e3 * float(np.median(t[1:])) / steps_per_call for k, t in times.items()}
 
 

@@ -37,10 +37,11 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
   A `decoding.TreeDecodingState` is scored as a token tree (`network.Transformer.tree_step`).
 
   `decode_variables` (`network.decode_variables` of `params`) are computed here, outside the
-  decoding loop that calls the result, unless given.
+  decoding loop that calls the result, unless given; then without the stacked projections,
+  whose copies would cost every call memory and time (`with_decode_variables` makes them once).
   """
   if decode_variables is None:
-    decode_variables = network.decode_variables(module.config, params)
+    decode_variables = network.decode_variables(module.config, params, fuse=False)
   variables = {'params': params, network.DECODE_COLLECTION: decode_variables}
 
   def tokens_to_logits(state: decoding.DecodingState):
@@ -134,10 +135,11 @@ class EncoderDecoderModel:
         out['params_axes'][name] = variables['params_axes']
     return out
 
-  def with_decode_variables(self, params: Params) -> Dict[str, Any]:
-    """`params` plus 'decode': each model's `network.decode_variables`, for repeated predicts."""
+  def with_decode_variables(self, params: Params, fuse: bool = True) -> Dict[str, Any]:
+    """`params` plus 'decode': each model's `network.decode_variables` (with the stacked
+    projections unless not `fuse`), for repeated predicts."""
     modules = (('target', self.module), ('draft', self.draft_module))
-    return {**params, 'decode': {name: network.decode_variables(module.config, params[name])
+    return {**params, 'decode': {name: network.decode_variables(module.config, params[name], fuse)
                                  for name, module in modules
                                  if module is not None and name in params}}
 
@@ -157,11 +159,12 @@ class EncoderDecoderModel:
     return jnp.sum(token_scores * weights, axis=-1)
 
   def _init_cache(self, module: network.Transformer, params: Params, encoder_input_tokens: Array,
-                  max_length: int) -> network.DecoderCache:
-    encoded = module.apply({'params': params}, encoder_input_tokens,
-                           method=network.Transformer.encode)
+                  max_length: int, decode_variables: Optional[Mapping[str, Any]] = None
+                  ) -> network.DecoderCache:
+    variables = {'params': params, network.DECODE_COLLECTION: decode_variables or {}}
+    encoded = module.apply(variables, encoder_input_tokens, method=network.Transformer.encode)
     return self.constrain_cache(
-        module.apply({'params': params}, encoded, encoder_input_tokens, max_length,
+        module.apply(variables, encoded, encoder_input_tokens, max_length,
                      method=network.Transformer.init_cache))
 
   def predict_batch_with_aux(self, params: Params, batch: Mapping[str, Array],
@@ -188,13 +191,15 @@ class EncoderDecoderModel:
     else:
       inputs = jnp.zeros_like(decoder_input_tokens)
     kwargs = {**self.decode_kwargs, **(decoder_params or {})}
+    prepared = params.get('decode', {})  # `with_decode_variables`
     if TEMPERATURE_FEATURE in batch:  # per-row temperatures, traced: no recompilation
       kwargs['temperature'] = batch[TEMPERATURE_FEATURE]
     kwargs.update(
         inputs=inputs, eos_id=self.eos_id, num_decodes=num_decodes, decode_rng=rng,
-        cache=self._init_cache(self.module, params['target'], encoder_input_tokens, max_length),
+        cache=self._init_cache(self.module, params['target'], encoder_input_tokens, max_length,
+                               prepared.get('target')),
         tokens_to_logits=make_tokens_to_logits(self.module, params['target'],
-                                               params.get('decode', {}).get('target')))
+                                               prepared.get('target')))
     signature = inspect.signature(getattr(self.decode_fn, 'func', self.decode_fn)).parameters
     wants_stats = 'return_stats' in signature
     if 'max_decode_steps' in signature:
@@ -208,9 +213,10 @@ class EncoderDecoderModel:
       kwargs['return_stats'] = True
     if self.uses_draft:
       kwargs['draft_cache'] = self._init_cache(self.draft_module, params['draft'],
-                                               encoder_input_tokens, max_length)
+                                               encoder_input_tokens, max_length,
+                                               prepared.get('draft'))
       kwargs['draft_tokens_to_logits'] = make_tokens_to_logits(
-          self.draft_module, params['draft'], params.get('decode', {}).get('draft'))
+          self.draft_module, params['draft'], prepared.get('draft'))
     outputs = self.decode_fn(**kwargs)
     decodes, scores = outputs[0], outputs[1]
     aux = {}

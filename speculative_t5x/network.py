@@ -146,6 +146,17 @@ def _param(module: nn.Module, name: str, init: Callable, shape: Tuple[int, ...],
   return nn_partitioning.param_with_axes(name, init, shape, jnp.float32, axes=axes)
 
 
+# The collection of decode-time parameter layouts (`decode_variables`).
+DECODE_COLLECTION = 'decode'
+
+
+def _decode_variable(module: nn.Module, name: str) -> Optional[Array]:
+  """The module's decode-time variable `name`, or None when the caller passed none."""
+  if module.has_variable(DECODE_COLLECTION, name):
+    return module.get_variable(DECODE_COLLECTION, name)
+  return None
+
+
 class Dense(nn.Module):
   """A bias-free projection whose kernel is stored 2-D, `(prod(in_dims), prod(features))`, as T5X.
 
@@ -234,6 +245,15 @@ KEY_LAYOUT = ('batch', 'heads', 'kv', 'length')
 VALUE_LAYOUT = ('batch', 'heads', 'length', 'kv')
 
 
+def _stacked_projection(x: Array, kernel: Array, num_heads: int, dtype: DType
+                        ) -> Tuple[Array, ...]:
+  """x [..., emb] times a stacked kernel [emb, n, heads * head_dim] in one matmul: n arrays
+  [..., heads, head_dim]."""
+  y = jnp.einsum('...e,esd->...sd', x.astype(dtype), kernel.astype(dtype))
+  y = y.reshape(y.shape[:-1] + (num_heads, -1))
+  return tuple(y[..., i, :, :] for i in range(kernel.shape[1]))
+
+
 def to_attention_layout(key: Array, value: Array) -> Tuple[Array, Array]:
   """Keys, values [batch, length, heads, head_dim] -> KEY_LAYOUT, VALUE_LAYOUT."""
   return jnp.transpose(key, (0, 2, 3, 1)), jnp.transpose(value, (0, 2, 1, 3))
@@ -262,8 +282,26 @@ class MultiHeadAttention(nn.Module):
     self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))
 
   def project_kv(self, inputs_kv: Array) -> Tuple[Array, Array]:
-    """[batch, length, emb] -> keys [batch, heads, head_dim, length], values [batch, heads, length, head_dim]."""
-    return to_attention_layout(self.key(inputs_kv), self.value(inputs_kv))
+    """[batch, length, emb] -> keys [batch, heads, head_dim, length], values [batch, heads, length, head_dim].
+
+    One matmul against the decode-time `kv_kernel` [emb, 2, heads * head_dim] when given.
+    """
+    kernel = _decode_variable(self, 'kv_kernel')
+    if kernel is None:
+      return to_attention_layout(self.key(inputs_kv), self.value(inputs_kv))
+    key, value = _stacked_projection(inputs_kv, kernel, self.num_heads, self.dtype)
+    return to_attention_layout(key, value)
+
+  def project_qkv(self, inputs: Array) -> Tuple[Array, Array, Array]:
+    """[batch, q, emb] -> query, key, value, each [batch, q, heads, head_dim].
+
+    One matmul against the decode-time `qkv_kernel` [emb, 3, heads * head_dim] when the
+    variables carry it (`decode_variables`), else the three projections.
+    """
+    kernel = _decode_variable(self, 'qkv_kernel')
+    if kernel is None:
+      return self.query(inputs), self.key(inputs), self.value(inputs)
+    return _stacked_projection(inputs, kernel, self.num_heads, self.dtype)
 
   def __call__(self, inputs_q: Array, key: Array, value: Array, bias: Array,
                deterministic: bool = True) -> Array:
@@ -273,9 +311,14 @@ class MultiHeadAttention(nn.Module):
     `bias` broadcasts to [batch, heads, q, k] and carries both the mask and position biases.
     Returns [batch, q, emb].
     """
+    return self.attend(self.query(inputs_q), key, value, bias, deterministic)
+
+  def attend(self, query: Array, key: Array, value: Array, bias: Array,
+             deterministic: bool = True) -> Array:
+    """`__call__` for an already projected query [batch, q, heads, head_dim]."""
     # Both products are batched over (batch, heads) with the batch axes leading on every operand
     # and result: XLA:CPU runs other axis orders as a slow generic loop (3-5x on decode shapes).
-    query = jnp.transpose(self.query(inputs_q), (0, 2, 1, 3))  # [batch, heads, q, head_dim]
+    query = jnp.transpose(query, (0, 2, 1, 3))  # [batch, heads, q, head_dim]
     if self.float32_logits:
       query, key = query.astype(jnp.float32), key.astype(jnp.float32)
     logits = jnp.einsum('bhqd,bhdk->bhqk', query, key)
@@ -296,11 +339,15 @@ class MlpBlock(nn.Module):
   def __call__(self, x: Array, deterministic: bool = True) -> Array:
     """[batch, length, emb] -> [batch, length, emb]."""
     emb = x.shape[-1]
+    kernel = _decode_variable(self, 'wi_kernel')  # [emb, activations, mlp]: one matmul
+    if kernel is not None:
+      fused = jnp.einsum('...e,eam->...am', x.astype(self.dtype), kernel.astype(self.dtype))
     hidden = None
     for i, act in enumerate(self.activations):
       name = 'wi' if len(self.activations) == 1 else f'wi_{i}'
-      h = _ACTIVATIONS[act](Dense((self.intermediate_dim,), ('embed', 'mlp'), dtype=self.dtype,
-                                  name=name)(x))
+      h = fused[..., i, :] if kernel is not None else Dense(
+          (self.intermediate_dim,), ('embed', 'mlp'), dtype=self.dtype, name=name)(x)
+      h = _ACTIVATIONS[act](h)
       hidden = h if hidden is None else hidden * h
     hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic=deterministic)
     return Dense((emb,), ('mlp', 'embed'), dtype=self.dtype, name='wo')(hidden)
@@ -327,7 +374,8 @@ class EncoderLayer(nn.Module):
   def __call__(self, x: Array, bias: Array, deterministic: bool = True) -> Array:
     """[batch, length, emb] with bias [batch, heads, length, length] -> [batch, length, emb]."""
     h = self.pre_attention_layer_norm(x)
-    h = self.attention(h, *self.attention.project_kv(h), bias, deterministic)
+    query, key, value = self.attention.project_qkv(h)
+    h = self.attention.attend(query, *to_attention_layout(key, value), bias, deterministic)
     x = x + self.dropout(h, deterministic=deterministic)
     h = self.mlp(self.pre_mlp_layer_norm(x), deterministic)
     return x + self.dropout(h, deterministic=deterministic)
@@ -364,18 +412,18 @@ class DecoderLayer(nn.Module):
     """
     h = self.pre_self_attention_layer_norm(x)
     new_cache = None
+    query, key, value = self.self_attention.project_qkv(h)
     if self_cache is None:
-      key, value = self.self_attention.project_kv(h)
+      key, value = to_attention_layout(key, value)
     else:
       cached_key, cached_value, positions = self_cache
       rows = jnp.arange(x.shape[0])[:, None]
       # Both scatters index [batch, q, heads, head_dim] slices, the projections' own layout.
-      key = cached_key.at[rows, :, :, positions].set(
-          self.self_attention.key(h).astype(cached_key.dtype), mode='drop')
-      value = cached_value.at[rows, :, positions].set(
-          self.self_attention.value(h).astype(cached_value.dtype), mode='drop')
+      key = cached_key.at[rows, :, :, positions].set(key.astype(cached_key.dtype), mode='drop')
+      value = cached_value.at[rows, :, positions].set(value.astype(cached_value.dtype),
+                                                      mode='drop')
       new_cache = (key, value)
-    h = self.self_attention(h, key, value, self_bias, deterministic)
+    h = self.self_attention.attend(query, key, value, self_bias, deterministic)
     x = x + self.dropout(h, deterministic=deterministic)
     h = self.encoder_decoder_attention(self.pre_cross_attention_layer_norm(x), *cross_kv,
                                        cross_bias, deterministic)
@@ -505,8 +553,8 @@ class Decoder(nn.Module):
     y = self.dropout(self.decoder_norm(y), deterministic=deterministic)
     if self.config.logits_via_embedding:
       # In the norm's dtype: float32 under float32_logits, else the config's.
-      if self.has_variable(DECODE_COLLECTION, 'logits_kernel'):
-        kernel = self.get_variable(DECODE_COLLECTION, 'logits_kernel')
+      kernel = _decode_variable(self, 'logits_kernel')
+      if kernel is not None:
         logits = jnp.dot(y, kernel.astype(y.dtype))
       else:
         logits = self.shared_embedding.attend(y, y.dtype)
@@ -677,29 +725,57 @@ class Transformer(nn.Module):
     return self.decoder.tree_step(tokens, cache, tree_depths, tree_mask)
 
 
-DECODE_COLLECTION = 'decode'
-
-
-def decode_variables(config: T5Config, params: Any) -> Dict[str, Any]:
-  """Decode-time copies of parameters in the layouts the cached decoder step reads fastest.
+def decode_variables(config: T5Config, params: Any, fuse: bool = True) -> Dict[str, Any]:
+  """Predict-time copies of parameters in the layouts the encoder and the cached decoder step
+  read fastest.
 
   Pass them as `{'params': params, DECODE_COLLECTION: decode_variables(config, params)}` to
-  `Transformer.decode_step`; without them the step computes the same values from `params`.
-  The parameter tree and checkpoints are unchanged. Computed once per decode (outside its loop):
-    decoder/logits_kernel: the tied embedding transposed, [emb, vocab]. `y @ embedding.T` makes
-      XLA:CPU transpose the 8 MB table (or repack it) on every step: on the embedded target that
-      is ~0.2 ms of a 1-token and ~0.5 ms of a 5-token step.
+  `Transformer.encode`, `init_cache` and `decode_step`; without them each computes the same
+  values from `params`. The parameter tree and checkpoints are unchanged. Computed once per
+  job (`EncoderDecoderModel.with_decode_variables`), or per decode when not prepared:
+    decoder/logits_kernel (tied embeddings): the embedding transposed, [emb, vocab].
+      `y @ embedding.T` makes XLA:CPU transpose the table (or repack it) on every step.
+  and with `fuse`, projections that read one input stacked into one matmul:
+    {encoder,decoder}/layers_i/{attention,self_attention}/qkv_kernel: [emb, 3, heads * head_dim]
+      (query, key, value);
+    decoder/layers_i/encoder_decoder_attention/kv_kernel: [emb, 2, heads * head_dim];
+    {encoder,decoder}/layers_i/mlp/wi_kernel (gated MLPs, T5 1.1): [emb, 2, mlp] (wi_0, wi_1).
+  XLA:CPU runs every matmul as its own kernel, and at small batch a step is mostly per-kernel
+  overhead and weight streaming (fewer, larger matmuls read the same bytes in fewer kernels).
+  The price is memory: a second copy of those kernels, about two thirds of the weights.
   """
-  if not config.logits_via_embedding:
-    return {}
-  return {'decoder': {'logits_kernel': jnp.transpose(params['token_embedder']['embedding'])}}
+  stack = lambda tree, names: jnp.stack([tree[n]['kernel'] for n in names], axis=1)
+  qkv = ('query', 'key', 'value')
+  wi = tuple(f'wi_{j}' for j in range(len(config.mlp_activations)))
+  out = {'encoder': {}, 'decoder': {}}
+  for stack_name, count, attention in (('encoder', config.num_encoder_layers, 'attention'),
+                                       ('decoder', config.num_decoder_layers, 'self_attention')):
+    for i in range(count if fuse else 0):
+      layer = params[stack_name][f'layers_{i}']
+      entry = {attention: {'qkv_kernel': stack(layer[attention], qkv)}}
+      if stack_name == 'decoder':
+        entry['encoder_decoder_attention'] = {
+            'kv_kernel': stack(layer['encoder_decoder_attention'], ('key', 'value'))}
+      if len(wi) > 1:
+        entry['mlp'] = {'wi_kernel': stack(layer['mlp'], wi)}
+      out[stack_name][f'layers_{i}'] = entry
+  if config.logits_via_embedding:
+    out['decoder']['logits_kernel'] = jnp.transpose(params['token_embedder']['embedding'])
+  return {k: v for k, v in out.items() if v}
 
 
-def decode_variables_logical_axes(config: T5Config) -> Dict[str, Any]:
-  """Logical axis names of `decode_variables(config, ...)`, in its tree (for shardings)."""
-  if not config.logits_via_embedding:
-    return {}
-  return {'decoder': {'logits_kernel': ('embed', 'vocab')}}
+def decode_variables_logical_axes(config: T5Config, fuse: bool = True) -> Dict[str, Any]:
+  """Logical axis names of `decode_variables(config, ..., fuse)`, in its tree (for shardings).
+
+  The stacked axis is never split: a model-parallel shard holds its own heads' query, key and
+  value (its own columns of each wi), so a stacked matmul needs no collective.
+  """
+  params = jax.eval_shape(functools.partial(init_params, config))[0]
+  shapes = jax.eval_shape(functools.partial(decode_variables, config, fuse=fuse), params)
+  stacked = ('embed', 'stack', 'joined_kv')
+  names = {'qkv_kernel': stacked, 'kv_kernel': stacked, 'logits_kernel': ('embed', 'vocab'),
+           'wi_kernel': ('embed', 'mlp_activations', 'mlp')}
+  return jax.tree_util.tree_map_with_path(lambda path, _: names[path[-1].key], shapes)
 
 
 def init_params(config: T5Config, rng: Optional[jax.Array] = None, batch_size: int = 1,

@@ -169,6 +169,32 @@ def test_rollback_equals_fresh_run(overrides):
     np.testing.assert_allclose(np.asarray(rolled[b]), np.asarray(fresh[0, -4:]), atol=1e-5)
 
 
+@pytest.mark.parametrize('overrides', CACHE_CONFIGS)
+def test_stacked_projections_equal_separate_ones(overrides):
+  """decode_variables' stacked q/k/v, cross k/v and wi kernels: the encoder, the cache and a
+  3-token step give the values of the separate projections (one matmul instead of several)."""
+  cfg = tiny_config(**overrides)
+  module, params = random_model(cfg, seed=7)
+  enc = ragged_tokens(jax.random.PRNGKey(3), 2, 6, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 3), 2, cfg.vocab_size)
+
+  def run(fuse):
+    variables = {'params': params,
+                 network.DECODE_COLLECTION: network.decode_variables(cfg, params, fuse)}
+    encoded = module.apply(variables, enc, method=network.Transformer.encode)
+    cache = module.apply(variables, encoded, enc, 8, method=network.Transformer.init_cache)
+    logits, cache = module.apply(variables, tokens, cache.with_index(jnp.array([0, 2])),
+                                 method=network.Transformer.decode_step)
+    return encoded, logits, cache
+
+  fused = network.decode_variables(cfg, params, fuse=True)['decoder']['layers_0']
+  assert fused['self_attention']['qkv_kernel'].shape == (cfg.emb_dim, 3,
+                                                         cfg.num_heads * cfg.head_dim)
+  assert ('mlp' in fused) == (len(cfg.mlp_activations) > 1)
+  for got, want in zip(jax.tree_util.tree_leaves(run(True)), jax.tree_util.tree_leaves(run(False))):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 def test_float32_logits_option():
   """float32_logits: a bf16 network's final norm and logits in float32 (tied embedding or
   logits_dense; the teacher-forced pass and the cached step with the decode-time logits_kernel),

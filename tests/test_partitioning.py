@@ -213,7 +213,11 @@ def test_decode_variables_are_sharded_like_the_embedding():
   shardings = partitioning.pair_shardings(model, partitioning.create_mesh(), params=params)
   assert shardings['target']['token_embedder']['embedding'].spec == P('model',)  # [vocab, embed]
   assert shardings['decode']['target']['decoder']['logits_kernel'].spec == P(None, 'model')
-  assert shardings['decode']['draft'] == {}  # untied: nothing precomputed
+  # The stacked projections keep each shard's own heads (mlp columns): the stacked axis whole.
+  layer = shardings['decode']['draft']['decoder']['layers_0']
+  assert layer['self_attention']['qkv_kernel'].spec == P(None, None, 'model')
+  assert layer['encoder_decoder_attention']['kv_kernel'].spec == P(None, None, 'model')
+  assert 'logits_kernel' not in shardings['decode']['draft']['decoder']  # untied
 
 
 def test_sharded_decoding_equals_single_device():

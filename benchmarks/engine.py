@@ -1,0 +1,177 @@
+"""The engine's decode-time layouts against the previous ones: steps, encoder, whole decodes.
+
+  python -m benchmarks.engine --sentences 1:64,8:128 --gammas 3 --rounds 5
+
+Two preparations of the same embedded pair (`network.decode_variables`):
+  separate: the tied logits kernel pre-transposed, every projection its own matmul (the engine
+    before the stacked projections);
+  stacked:  also q/k/v, the cross-attention k/v and the gated MLP's wi_0/wi_1 stacked into one
+    matmul each (encoder and decoder).
+Per batch size, for each: the compiled while body of the target's 1-token and (gamma+1)-token
+steps and the draft's 1-token step (top-level HLO instructions: fusions, library matmuls,
+copies); those steps' times inside a jitted loop (`harness.step_loop`), the draft's cost ratio
+c; the encoder at the batches' median width; greedy target-only and greedy speculative decoding
+(each --gammas value) of the first test sentences. Every timed pass of a batch size, both
+preparations, runs round-robin (see benchmarks.harness); speedups are medians over rounds of
+separate's time over stacked's in the same round. Outputs are compared token for token.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+
+from benchmarks import harness
+from benchmarks.harness import Setting
+from speculative_t5x import data
+from speculative_t5x import network
+from speculative_t5x import pipeline
+from speculative_t5x import policy
+
+NAME = 'engine'
+LAYOUTS = {'separate': False, 'stacked': True}
+STEPS_PER_CALL = 16
+# The instruction kinds reported per step (the others are bookkeeping: parameters, tuples).
+KINDS = ('fusion', 'dot', 'copy')
+
+
+def while_body_counts(hlo_text: str) -> Dict[str, int]:
+  """Top-level instructions of the (first) while body of a compiled program, by kind: XLA:CPU
+  runs each as one kernel (a fusion, a library matmul, a copy, ...)."""
+  bodies = re.findall(r'\swhile\(.*?body=%?([\w.\-]+)', hlo_text)
+  if not bodies:
+    raise ValueError('no while loop in the program')
+  match = re.search(r'\n%?' + re.escape(bodies[0]) + r' [^\n]*\{\n(.*?)\n\}', hlo_text, re.S)
+  counts = collections.Counter(
+      m.group(1) for m in re.finditer(r'=\s*\S+\s+([a-z][\w-]*)\(', match.group(1)))
+  skipped = ('parameter', 'get-tuple-element', 'constant', 'tuple', 'bitcast')
+  kernels = {kind: counts[kind] for kind in KINDS}
+  kernels['kernels'] = sum(n for kind, n in counts.items() if kind not in skipped)
+  return kernels
+
+
+def step_passes(pairs: Mapping[str, pipeline.Pair], batch: int, verify_k: int
+                ) -> Dict[Any, Any]:
+  """{(layout, step): (call, kernels)} for the target's 1-token and verify_k-token steps and the
+  draft's 1-token step."""
+  out = {}
+  for layout, pair in pairs.items():
+    for step, (name, k) in {'target k=1': ('target', 1), f'target k={verify_k}': (
+        'target', verify_k), 'draft k=1': ('draft', 1)}.items():
+      call, compiled = harness.step_loop(pair, name, batch, k, STEPS_PER_CALL)
+      out[layout, step] = call, while_body_counts(compiled.as_text())
+  return out
+
+
+def encoder_passes(pairs: Mapping[str, pipeline.Pair], batch: harness.Batch) -> Dict[Any, Any]:
+  """{(layout, 'encoders'): call}: both models' encoders and caches over one batch."""
+  out = {}
+  for layout, pair in pairs.items():
+    model = pair.model()
+    tokens = batch['encoder_input_tokens']
+
+    @jax.jit
+    def caches(params, tokens, model=model):
+      return [model._init_cache(module, params[name], tokens, harness.OUTPUT_LENGTH,  # pylint: disable=protected-access
+                                params['decode'][name])
+              for name, module in (('target', model.module), ('draft', model.draft_module))]
+
+    out[layout, 'encoders'] = functools.partial(caches, pair.params, tokens)
+  return out
+
+
+def decode_passes(pairs: Mapping[str, pipeline.Pair], settings: Sequence[Setting],
+                  batches: List[harness.Batch]) -> Dict[Any, harness.Compiled]:
+  return {(layout, s.name): harness.compile_setting(s, pair, batches)
+          for layout, pair in pairs.items() for s in settings}
+
+
+def batch_block(pairs: Mapping[str, pipeline.Pair], settings: Sequence[Setting], batch_size: int,
+                sources: Sequence[str], args: Any) -> Dict[str, Any]:
+  """Every pass of one batch size, both layouts, timed round-robin."""
+  count = len(sources)
+  batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
+                                 args.input_length_step)
+  widths = sorted(int(b['encoder_input_tokens'].shape[1]) for b in batches)
+  verify_k = max(g for g in [1] + [s.gamma for s in settings if s.gamma]) + 1
+  steps = step_passes(pairs, batch_size, verify_k)
+  median_batch = next(b for b in batches
+                      if b['encoder_input_tokens'].shape[1] == widths[len(widths) // 2])
+  compiled = decode_passes(pairs, settings, batches)
+  passes = {**{key: call for key, (call, _) in steps.items()},
+            **encoder_passes(pairs, median_batch),
+            **{key: c.one_pass for key, c in compiled.items()}}
+  outputs = harness.warm(passes)
+  times = policy.round_robin(passes, args.rounds)
+  ms = lambda key, per: 1e3 * float(np.median(times[key])) / per
+  rows = []
+  for layout in pairs:
+    row = {'layout': layout, 'kernels': {step: steps[layout, step][1]
+                                         for _, step in steps if _ == layout}}
+    row['step_ms'] = {step: ms((layout, step), STEPS_PER_CALL) for _, step in steps if _ == layout}
+    row['c'] = row['step_ms']['draft k=1'] / row['step_ms']['target k=1']
+    row['encoders_ms'] = ms((layout, 'encoders'), 1)
+    row['ms_per_sentence'] = {s.name: ms((layout, s.name), count) for s in settings}
+    rows.append(row)
+  speedups = {'/'.join(key[1:]): harness.speedups(times, ('separate',) + key[1:])[key]
+              for key in passes if key[0] == 'stacked'}
+  decodes = {key: harness.collect(outputs[key], count)['decodes'] for key in compiled}
+  reference = decodes['separate', settings[0].name]
+  block = {'num_sentences': count, 'encoder_width': widths[len(widths) // 2], 'rows': rows,
+           'stacked_over_separate': speedups,
+           'identical_outputs': all(np.array_equal(d, reference) for d in decodes.values())}
+  for key, s_ in speedups.items():
+    print(f"batch {batch_size} stacked over separate, {key}: {s_['speedup']:.3f}x "
+          f"({s_['speedup_min']:.2f}-{s_['speedup_max']:.2f})", flush=True)
+  return block
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+  lines = harness.heading('The engine: stacked projections against separate ones', results)
+  for batch_size, block in results['batches'].items():
+    rows = block['rows']
+    steps = list(rows[0]['step_ms'])
+    decoders = list(rows[0]['ms_per_sentence'])
+    lines += [f"## Batch {batch_size} ({block['num_sentences']} sentences, encoder width "
+              f"{block['encoder_width']}; outputs identical across layouts and decoders: "
+              f"{block['identical_outputs']})", '']
+    lines += harness.table(
+        ['layout'] + [f'{s} ms' for s in steps] + ['c', 'encoders ms'] +
+        [f'{d} ms/sentence' for d in decoders],
+        [[r['layout']] + [f"{r['step_ms'][s]:.3f}" for s in steps] +
+         [f"{r['c']:.3f}", f"{r['encoders_ms']:.2f}"] +
+         [f"{r['ms_per_sentence'][d]:.2f}" for d in decoders] for r in rows]) + ['']
+    lines += ['Kernels of one step (top-level instructions of the compiled while body: all, '
+              'fusions, library matmuls, copies):', '']
+    lines += harness.table(['layout'] + steps, [
+        [r['layout']] + ['{kernels} ({fusion} / {dot} / {copy})'.format(**r['kernels'][s])
+                         for s in steps] for r in rows]) + ['']
+    lines += harness.table(('stacked over separate', 'speedup (range over rounds)'), [
+        [key, f"{s_['speedup']:.3f}x ({s_['speedup_min']:.2f}-{s_['speedup_max']:.2f})"]
+        for key, s_ in block['stacked_over_separate'].items()]) + ['']
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  args = harness.parser(__doc__, sentences='1:64,8:128', gammas='3', rounds=5).parse_args(argv)
+  settings = [Setting('baseline')] + [Setting('speculative', gamma=g)
+                                      for g in harness.parse_gammas(args.gammas, auto=False)]
+  sources, _ = harness.test_split(args.data_dir)
+  pair = harness.load_pair()
+  pairs = {layout: harness.with_layouts(pair, fuse) for layout, fuse in LAYOUTS.items()}
+  results = {'meta': harness.meta(NAME, argv, args), 'batches': {}}
+  for batch_size, count in harness.parse_sentences(args.sentences).items():
+    results['batches'][str(batch_size)] = batch_block(pairs, settings, batch_size,
+                                                      sources[:count], args)
+    paths = harness.write_results(args, NAME, results, markdown)
+  print('wrote', *paths)
+  return results
+
+
+if __name__ == '__main__':
+  main()
