@@ -13,6 +13,10 @@ then one verify call of gamma + 1 tokens) over the expected tokens per iteration
 alpha, (1 - alpha^(gamma + 1)) / (1 - alpha) (Leviathan et al. 2023, eq. 1); target-only
 spends one 1-token step per token. Loop overhead, the encoder and the host are left out.
 
+The bytes are what the step has to read on an accelerator (`benchmarks.scale.step_memory`:
+its weights and caches per device) where the block records them, else XLA:CPU's bytes
+accessed, which count the float32 copies of bfloat16 operands that the CPU backend makes.
+
 Vendor figures (peak dense bf16, HBM bandwidth, per-chip interconnect bandwidth) are cited in
 docs/scale.md; the per-collective latency is an assumption, stated there.
 """
@@ -30,7 +34,13 @@ HARDWARE = {
                 'latency': 5e-6},
     'H100 SXM': {'flops': 989e12, 'hbm': 3.35e12, 'hbm_bytes': 80e9, 'ici': 450e9,
                  'latency': 10e-6},
+    # For benchmarks.accelerator on an H200 (not part of the projection tables).
+    'H200': {'flops': 989e12, 'hbm': 4.8e12, 'hbm_bytes': 141e9, 'ici': 450e9, 'latency': 10e-6},
 }
+PROJECTED = ('TPU v4', 'TPU v5e', 'H100 SXM')
+# device_kind substrings (lower case, spaces removed) of each entry.
+DEVICE_KINDS = {'TPU v4': ('tpuv4',), 'TPU v5e': ('tpuv5e', 'tpuv5lite'), 'H100 SXM': ('h100',),
+                'H200': ('h200',)}
 # Leviathan et al. 2023, Table 2: T5-XXL (11B) target, T5-small draft, WMT EnDe, TPU v4, batch 1.
 PAPER = {'greedy': {'alpha': 0.75, 'gamma': 7, 'speedup': 3.4},
          'sampling': {'alpha': 0.62, 'gamma': 7, 'speedup': 2.6}}
@@ -69,10 +79,23 @@ def wire_seconds(collectives: Mapping[str, Mapping[str, int]], group: int,
              for k, v in collectives.items())
 
 
-def step_seconds(step: Mapping[str, Any], group: int, hw: Mapping[str, float]) -> float:
-  """Projected seconds of one step program (see the module docstring)."""
-  return (max(step['flops'] / hw['flops'], step['bytes_accessed'] / hw['hbm']) +
+def step_seconds(step: Mapping[str, Any], group: int, hw: Mapping[str, float],
+                 memory_bytes: Optional[float] = None) -> float:
+  """Projected seconds of one step program (see the module docstring); `memory_bytes` replaces
+  the program's own bytes accessed (`benchmarks.scale.step_memory`: what an accelerator reads)."""
+  memory = step['bytes_accessed'] if memory_bytes is None else memory_bytes
+  return (max(step['flops'] / hw['flops'], memory / hw['hbm']) +
           wire_seconds(step.get('collectives', {}), group, hw))
+
+
+def read_bytes(parts: Optional[Mapping[str, int]], t5x: bool = False) -> Optional[float]:
+  """Bytes one step reads, from `step_memory`'s parts: this project's step reads the
+  cross-attention cache; T5X's reads the encoder output and the cross key/value kernels."""
+  if parts is None:
+    return None
+  if t5x:
+    return parts['weights'] + parts['cross_kv_weights'] + parts['self_cache'] + parts['encoded']
+  return parts['weights'] + parts['self_cache'] + parts['cross_cache']
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -85,16 +108,19 @@ def project(block: Mapping[str, Any], hw: Mapping[str, float], alpha: float, gam
   group = block['mesh'][1]
   steps = block['steps']
   draft = steps[f'draft_{placement}']
-  target_1 = step_seconds(steps['target']['1'], group, hw)
-  verify = step_seconds(steps['target'][str(gamma + 1)], group, hw)
-  draft_1 = step_seconds(draft['1'], group, hw)
-  iteration = step_seconds(draft['2'], group, hw) + (gamma - 1) * draft_1 + verify
+  memory = block.get('step_memory', {})
+  target_bytes = read_bytes(memory.get('target'))
+  draft_bytes = read_bytes(memory.get(f'draft_{placement}'))
+  target_1 = step_seconds(steps['target']['1'], group, hw, target_bytes)
+  verify = step_seconds(steps['target'][str(gamma + 1)], group, hw, target_bytes)
+  draft_1 = step_seconds(draft['1'], group, hw, draft_bytes)
+  iteration = step_seconds(draft['2'], group, hw, draft_bytes) + (gamma - 1) * draft_1 + verify
   per_token = iteration / expected_tokens(alpha, gamma)
   out = {'target_1_ms': 1e3 * target_1, 'verify_ms': 1e3 * verify, 'draft_ms': 1e3 * draft_1,
          'c': draft_1 / target_1, 'speculative_ms_per_token': 1e3 * per_token,
          'speedup': target_1 / per_token}
   if t5x_step is not None:
-    t5x = step_seconds(t5x_step, group, hw)
+    t5x = step_seconds(t5x_step, group, hw, read_bytes(memory.get('target'), t5x=True))
     out.update(t5x_ms=1e3 * t5x, speedup_vs_t5x=t5x / per_token, target_vs_t5x=t5x / target_1)
   return out
 
@@ -107,7 +133,8 @@ def table_rows(blocks: Mapping[str, Mapping[str, Any]], t5x: Mapping[str, Any],
   rows = []
   for key, block in blocks.items():
     t5x_step = t5x.get('blocks', {}).get(key, {}).get('steps', {}).get('1')
-    for name, hw in HARDWARE.items():
+    for name in PROJECTED:
+      hw = HARDWARE[name]
       for gamma in gammas:
         if str(gamma + 1) not in block['steps']['target']:
           continue

@@ -187,6 +187,56 @@ def per_device_bytes(model: models.EncoderDecoderModel, mesh: Any, params: Any,
   return out
 
 
+def step_memory(config: network.T5Config, params: Any, shardings: Any,
+                cache: network.DecoderCache, cache_sharding: Any, input_length: int,
+                data_size: int) -> Dict[str, int]:
+  """Per-device bytes a cached decoder step has to read from memory on an accelerator, by part:
+  the decoder's weights without the cross-attention key/value kernels (plus the embedding when
+  it is tied to the logits), those kernels (applied once here, on every step by T5X's
+  network), the self- and cross-attention caches (read whole: static length), and the encoder
+  output [batch / data, input_length, emb] in the activation dtype (what T5X's step reads
+  instead of a cross-attention cache). XLA:CPU's own `bytes accessed` is far larger: it counts
+  the float32 copies its bfloat16 dots make, which an accelerator does not."""
+  parts = {'weights': 0, 'cross_kv_weights': 0}
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
+    names = [getattr(k, 'key', '') for k in path]
+    if names[0] != 'decoder' and not (config.logits_via_embedding and
+                                      names[0] == 'token_embedder'):
+      continue
+    part = ('cross_kv_weights' if 'encoder_decoder_attention' in names and
+            ('key' in names or 'value' in names) else 'weights')
+    parts[part] += xla.sharded_bytes(leaf, sharding)
+  for field in ('self', 'cross'):
+    leaves = getattr(cache, f'{field}_key') + getattr(cache, f'{field}_value')
+    shards = getattr(cache_sharding, f'{field}_key') + getattr(cache_sharding, f'{field}_value')
+    parts[f'{field}_cache'] = xla.sharded_bytes(leaves, shards)
+  batch = cache.index.shape[0] // data_size
+  parts['encoded'] = batch * input_length * config.emb_dim * np.dtype(config.dtype).itemsize
+  return parts
+
+
+def step_memories(b: Mapping[str, Any], draft: str, input_length: int, dtype: str
+                  ) -> Dict[str, Dict[str, int]]:
+  """`step_memory` of the target and of the draft under each placement of block `b`."""
+  target, draft_config = model_config(b['size']), model_config(draft)
+  params = abstract_params(target, draft_config, dtype)
+  mesh = partitioning.create_mesh(tuple(b['mesh']))
+  model = decoder(target, draft_config, 0)
+  out = {}
+  for placement in PLACEMENTS:
+    shardings = partitioning.pair_shardings(model, mesh, params=params,
+                                            draft_placement=placement)
+    rules = partitioning.model_rules(model, mesh, draft_placement=placement)
+    for name, config in (('target', target), ('draft', draft_config)):
+      cache = abstract_cache(config, params[name], b['batch'], input_length, b['output_length'])
+      key = name if name == 'target' else f'draft_{placement}'
+      out[key] = step_memory(config, params[name], shardings[name], cache,
+                             partitioning.cache_shardings(cache, mesh, rules[name]),
+                             input_length, b['mesh'][0])
+  return out
+
+
 def layer_cache_bytes(caches: Mapping[str, network.DecoderCache], mesh: Any,
                       all_rules: Mapping[str, Any]) -> int:
   """The smallest per-device shard of one cache layer (K of self-attention) of either model: a
@@ -329,9 +379,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   results['t5x'] = read_t5x(args) or {'skipped': 'no --t5x_python given'}
   for size, mesh, batch, length in blocks:
     key = block_key(size, mesh, batch, length)
-    if key in results['blocks']:
+    if key not in results['blocks']:
+      results['blocks'][key] = block(size, mesh, batch, length, args)
+    elif 'step_memory' in results['blocks'][key]:
       continue
-    results['blocks'][key] = block(size, mesh, batch, length, args)
+    results['blocks'][key]['step_memory'] = step_memories(
+        results['blocks'][key], args.draft, args.input_length, args.param_dtype)
     print(key, summary_line(results['blocks'][key]), flush=True)
     results['t5x'] = read_t5x(args) or results['t5x']
     paths = harness.write_results(args, NAME, results, markdown)
@@ -368,13 +421,21 @@ def iteration_collectives(program: Mapping[str, Any], gamma: int) -> Dict[str, D
                                   times=(1, max(gamma - 1, 0)))
 
 
+def speculative_names(results: Mapping[str, Any]) -> List[str]:
+  """The speculative programs of any block, in first-seen order (a table's columns)."""
+  names = {}
+  for b in results['blocks'].values():
+    names.update((n, None) for n in b['programs'] if n != 'target-only')
+  return list(names)
+
+
 def memory_rows(results: Mapping[str, Any]) -> List[List[str]]:
   t5x = results.get('t5x', {}).get('blocks', {})
+  spec = speculative_names(results)
   rows = []
   for key, b in results['blocks'].items():
     d, progs = b['per_device'], b['programs']
     temp = lambda name: _mb(progs[name]['memory']['temp_bytes']) if name in progs else ''
-    spec = [n for n in progs if n != 'target-only']
     t = t5x.get(key, {}).get('program', {}).get('memory', {})
     rows.append([key, _mb(d['params']['target']), _mb(d['params'].get('draft_sharded', 0)),
                  _mb(d['params'].get('draft_replicated', 0)), _mb(d['cache']['target']),
@@ -391,8 +452,10 @@ def collective_rows(results: Mapping[str, Any]) -> List[List[str]]:
   for key, b in results['blocks'].items():
     progs = b['programs']
     cells = [key, roofline.collective_text(progs['target-only']['loops'].get('outer', {}))]
-    for name, prog in progs.items():
-      if name == 'target-only':
+    for name in speculative_names(results):
+      prog = progs.get(name)
+      if prog is None:
+        cells.append('')
         continue
       gamma = int(name.split()[0].split('=')[1])
       loops = prog['loops']
@@ -439,7 +502,7 @@ def markdown(results: Mapping[str, Any]) -> str:
   if not results['blocks']:
     return '\n'.join(lines)
   first = next(iter(results['blocks'].values()))
-  spec = [n for n in first['programs'] if n != 'target-only']
+  spec = speculative_names(results)
   lines += ['## Memory per device (MB)', '']
   lines += harness.table(['block', 'params target', 'params draft sharded',
                           'params draft replicated', 'cache target', 'cache draft',
