@@ -334,33 +334,38 @@ def ms_per(seconds: Sequence[float], count: int) -> float:
 # Machine probes.
 
 
-def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8
+def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8,
+               input_length: int = 20, output_length: int = OUTPUT_LENGTH
                ) -> Tuple[network.Transformer, Dict[str, Any], network.DecoderCache]:
-  """(module, variables, cache) of `name`'s cached decoder over a random 20-token input, the
-  cache holding `position` tokens; variables include the decode-time layouts."""
+  """(module, variables, cache) of `name`'s cached decoder over a random `input_length`-token
+  input, the cache (`output_length` positions) holding `position` tokens; variables include
+  the decode-time layouts."""
   config = pair.configs[name]
   module = network.Transformer(config)
   variables = {'params': pair.params[name],
                network.DECODE_COLLECTION: pair.params['decode'][name]}
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, 20), 3, config.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, input_length), 3, config.vocab_size)
 
   @jax.jit
   def empty_cache(params, tokens):  # jitted: op by op, the encoder alone takes seconds
     encoded = module.apply({'params': params}, tokens, method=network.Transformer.encode)
-    return module.apply({'params': params}, encoded, tokens, OUTPUT_LENGTH,
+    return module.apply({'params': params}, encoded, tokens, output_length,
                         method=network.Transformer.init_cache)
 
   cache = empty_cache(pair.params[name], tokens)
   return module, variables, cache.with_index(jnp.full((batch,), position, jnp.int32))
 
 
-def step_loop(pair: pipeline.Pair, name: str, batch: int, k: int, steps_per_call: int = 16
+def step_loop(pair: pipeline.Pair, name: str, batch: int, k: int, steps_per_call: int = 16,
+              shapes: Tuple[int, int] = (20, OUTPUT_LENGTH)
               ) -> Tuple[Callable[[], jax.Array], Any]:
   """(call, compiled) of `steps_per_call` cached decode steps of `name` ('target' or 'draft')
   appending k tokens per row, as the decode loops run them: in one jitted `fori_loop` carrying
   the cache (each step's index stays put, and depends on its logits so that nothing is dead
-  code). `compiled` is the lowered program (for its HLO)."""
-  module, variables, cache = step_setup(pair, name, batch)
+  code), over an input of shapes[0] tokens with a cache of shapes[1] positions. `compiled` is
+  the compiled program (for its HLO)."""
+  module, variables, cache = step_setup(pair, name, batch, input_length=shapes[0],
+                                        output_length=shapes[1])
 
   def steps(variables, cache):
     def body(_, cache):
@@ -374,7 +379,8 @@ def step_loop(pair: pipeline.Pair, name: str, batch: int, k: int, steps_per_call
 
 
 def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
-                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16) -> Dict[int, float]:
+                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16,
+                  shapes: Tuple[int, int] = (20, OUTPUT_LENGTH)) -> Dict[int, float]:
   """Median ms of one cached decode step of `name` ('target' or 'draft') appending k tokens per
   row, for k in chunk_sizes, timed inside a loop (`step_loop`).
 
@@ -382,7 +388,7 @@ def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Seque
   hide how the step grows with k (`dispatched_step_ms` measures that). The sizes take turns in
   each round.
   """
-  loops = {k: step_loop(pair, name, batch, k, steps_per_call)[0]
+  loops = {k: step_loop(pair, name, batch, k, steps_per_call, shapes)[0]
            for k in sorted(set(chunk_sizes))}
   times = policy.round_robin(loops, rounds + 1)  # the first round warms up
   return {k: 1e3 * float(np.median(t[1:])) / steps_per_call for k, t in times.items()}

@@ -33,6 +33,14 @@ PyTree = Any
 
 MESH_AXES = ('data', 'model')
 
+# Where the draft's parameters and cache live (`draft_logical_axis_rules`): split over 'model' by
+# the same rules as the target, copied whole onto every device of a model group, or chosen from
+# the two models' sizes ('auto', the default).
+DRAFT_SHARDED = 'sharded'
+DRAFT_REPLICATED = 'replicated'
+DRAFT_AUTO = 'auto'
+DRAFT_PLACEMENTS = (DRAFT_AUTO, DRAFT_SHARDED, DRAFT_REPLICATED)
+
 
 def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
                                 parameter_partitioning_dims: int = 1,
@@ -83,6 +91,42 @@ def standard_logical_axis_rules(activation_partitioning_dims: int = 1,
             ('layers', None), ('stack', None), ('mlp_activations', None)]
   rules += [tuple(rule) for rule in additional_rules or ()]
   return tuple(rules)
+
+
+def num_params(config: network.T5Config) -> int:
+  """Parameters of `config`'s network, counted abstractly (nothing is allocated)."""
+  shapes, _ = jax.eval_shape(functools.partial(network.init_params, config))
+  return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)))
+
+
+def replicated_rules(rules: LogicalAxisRules) -> LogicalAxisRules:
+  """`rules` with every name but 'batch' replicated: a model placed whole on each device of its
+  model group (its batch still split over 'data' as the target's)."""
+  return tuple((name, axis if name == 'batch' else None) for name, axis in rules)
+
+
+def draft_logical_axis_rules(target_config: network.T5Config,
+                             draft_config: Optional[network.T5Config], rules: LogicalAxisRules,
+                             model_size: int, placement: str = DRAFT_AUTO) -> LogicalAxisRules:
+  """The rules for the draft's parameters and cache under `placement`.
+
+  A sharded draft pays the target's collectives on every draft step: three all-reduces per
+  layer plus gathers wherever its (few) heads do not divide the 'model' axis, each a round trip
+  over the interconnect for a step that reads a few MB of weights. Replicated, a draft step has
+  no collective at all, at the cost of holding (and reading) all of its weights on every device.
+  'auto' replicates a draft of at most 1/`model_size` of the target's parameters: it then costs
+  each device no more memory, and a draft step no more weight reads, than the device's share of
+  the target (T5 1.1 small is 1/10 of large and 1/143 of XXL). Measured on 8 devices: see
+  docs/scale.md.
+  """
+  if placement not in DRAFT_PLACEMENTS:
+    raise ValueError(f'draft placement must be one of {DRAFT_PLACEMENTS}, got {placement!r}.')
+  if placement == DRAFT_AUTO:
+    if draft_config is None or model_size == 1:
+      return rules
+    placement = (DRAFT_REPLICATED if num_params(draft_config) * model_size <=
+                 num_params(target_config) else DRAFT_SHARDED)
+  return replicated_rules(rules) if placement == DRAFT_REPLICATED else rules
 
 
 def create_mesh(mesh_shape: Optional[Tuple[int, int]] = None, num_partitions: int = 1,
@@ -235,16 +279,35 @@ def cache_shardings(cache: network.DecoderCache, mesh: Mesh,
   return cache.replace(**{name: field(name) for name in cache.__dataclass_fields__})
 
 
-def constrain_cache(mesh: Mesh, rules: Optional[LogicalAxisRules] = None
-                    ) -> Callable[[Any], Any]:
-  """A function pinning a (traced) DecoderCache to `cache_shardings`; others pass unchanged."""
+def constrain_cache(mesh: Mesh, rules: Optional[LogicalAxisRules] = None,
+                    draft_config: Optional[network.T5Config] = None,
+                    draft_rules: Optional[LogicalAxisRules] = None) -> Callable[[Any], Any]:
+  """A function pinning a (traced) DecoderCache to `cache_shardings`; others pass unchanged.
+
+  With `draft_rules`, a cache of the draft's shape (`draft_config`'s decoder layers, heads and
+  head size) is pinned by those instead; the caller makes sure that the target's cache has
+  another shape (`partition_predict` does).
+  """
 
   def constrain(cache):
     if not isinstance(cache, network.DecoderCache):
       return cache
-    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
+    use = rules
+    if draft_rules is not None and _cache_signature(cache) == _config_signature(draft_config):
+      use = draft_rules
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, use))
 
   return constrain
+
+
+def _cache_signature(cache: network.DecoderCache) -> Tuple[int, ...]:
+  return (len(cache.self_key),) + tuple(np.shape(cache.self_key[0])[1:3])
+
+
+def _config_signature(config: Optional[network.T5Config]) -> Tuple[int, ...]:
+  if config is None:
+    return ()
+  return (config.num_decoder_layers, config.num_heads, config.head_dim)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -275,31 +338,53 @@ def shard_params(params: PyTree, shardings: PyTree) -> PyTree:
 
 
 def pair_shardings(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = None,
-                   params: Optional[PyTree] = None) -> Dict[str, PyTree]:
+                   params: Optional[PyTree] = None, draft_placement: str = DRAFT_AUTO
+                   ) -> Dict[str, PyTree]:
   """{'target': shardings, 'draft': shardings} for an `EncoderDecoderModel`'s parameters.
 
   Shapes come from `params` when given, else from the configs (abstractly). Params that carry
   decode-time variables (`EncoderDecoderModel.with_decode_variables`) get their shardings under
-  'decode' too.
+  'decode' too. The draft's follow `draft_placement` (`model_rules`).
   """
+  all_rules = model_rules(model, mesh, rules, draft_placement)
+  configs = {'target': model.target_config, 'draft': model.draft_config}
   out = {}
-  for name, config in (('target', model.target_config), ('draft', model.draft_config)):
+  for name, config in configs.items():
     if config is None or (params is not None and name not in params):
       continue
     shapes = params[name] if params is not None else jax.eval_shape(
         functools.partial(network.init_params, config))[0]
-    out[name] = params_shardings(shapes, params_logical_axes(config), mesh, rules)
+    out[name] = params_shardings(shapes, params_logical_axes(config), mesh, all_rules[name])
   if params is not None and 'decode' in params:  # EncoderDecoderModel.with_decode_variables
-    configs = {'target': model.target_config, 'draft': model.draft_config}
     out['decode'] = {
         name: params_shardings(variables, network.decode_variables_logical_axes(configs[name]),
-                               mesh, rules)
+                               mesh, all_rules[name])
         for name, variables in params['decode'].items()}
   return out
 
 
+def model_rules(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = None,
+                draft_placement: str = DRAFT_AUTO) -> Dict[str, LogicalAxisRules]:
+  """{'target': rules, 'draft': rules} of a model pair under `draft_placement`.
+
+  The draft keeps the target's rules when both decoders have caches of one shape (the cache
+  constraint could not tell them apart), or when it would be placed as the target anyway.
+  """
+  rules = standard_logical_axis_rules() if rules is None else rules
+  draft = model.draft_config
+  draft_rules = rules
+  if draft is not None and _config_signature(draft) != _config_signature(model.target_config):
+    draft_rules = draft_logical_axis_rules(model.target_config, draft, rules,
+                                           mesh.shape['model'], draft_placement)
+  elif draft_placement not in DRAFT_PLACEMENTS:
+    raise ValueError(f'draft placement must be one of {DRAFT_PLACEMENTS}, got '
+                     f'{draft_placement!r}.')
+  return {'target': rules, 'draft': draft_rules}
+
+
 def partition_predict(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] = None,
-                      params: Optional[PyTree] = None, **predict_kwargs
+                      params: Optional[PyTree] = None, draft_placement: str = DRAFT_AUTO,
+                      **predict_kwargs
                       ) -> Callable[[PyTree, Mapping[str, jax.Array], jax.Array],
                                     Tuple[jax.Array, Dict[str, Any]]]:
   """`model.predict_batch_with_aux` compiled once for `mesh` with explicit shardings.
@@ -307,14 +392,19 @@ def partition_predict(model: Any, mesh: Mesh, rules: Optional[LogicalAxisRules] 
   Returns `fn(params, batch, rng) -> (decodes [batch, length], aux)`: params {'target',
   'draft'} sharded by the logical axis rules (`pair_shardings`), every batch feature and every
   output split over 'data', `rng` replicated. Both models' decoder caches are pinned to
-  `cache_shardings` where they are created. `predict_kwargs` (decoder_params, num_decodes,
+  `cache_shardings` where they are created; the draft's parameters and cache are placed by
+  `draft_placement` ('auto', 'sharded' or 'replicated': `draft_logical_axis_rules`).
+  `predict_kwargs` (decoder_params, num_decodes,
   return_all_decodes, ...) are fixed at compile time. Batch size must be a multiple of the
   'data' size.
   """
   rules = standard_logical_axis_rules() if rules is None else rules
   sharded_model = copy.copy(model)
-  sharded_model.constrain_cache = constrain_cache(mesh, rules)
-  param_shardings = pair_shardings(model, mesh, rules, params)
+  all_rules = model_rules(model, mesh, rules, draft_placement)
+  sharded_model.constrain_cache = constrain_cache(
+      mesh, rules, model.draft_config,
+      all_rules['draft'] if all_rules['draft'] != rules else None)
+  param_shardings = pair_shardings(model, mesh, rules, params, draft_placement)
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def predict(params, batch, rng):
@@ -336,14 +426,22 @@ class Partitioner:
     given through `standard_logical_axis_rules(additional_rules=...)` (gin:
     `partitioning.standard_logical_axis_rules.additional_rules`) come after the standard ones,
     exactly as in T5X, so T5X gin files resolve to the same shardings here.
+  draft_placement: the draft's parameters and cache split over 'model' like the target's
+    ('sharded'), whole on every device ('replicated'), or replicated when the draft has at most
+    1/'model' of the target's parameters ('auto', the default): `draft_logical_axis_rules`.
   """
 
   def __init__(self, num_partitions: int = 1, mesh_shape: Optional[Tuple[int, int]] = None,
-               logical_axis_rules: Optional[LogicalAxisRules] = None):
+               logical_axis_rules: Optional[LogicalAxisRules] = None,
+               draft_placement: str = DRAFT_AUTO):
     self.num_partitions = num_partitions
     self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
     self.logical_axis_rules = (standard_logical_axis_rules() if logical_axis_rules is None
                                else tuple(tuple(r) for r in logical_axis_rules))
+    if draft_placement not in DRAFT_PLACEMENTS:
+      raise ValueError(f'draft_placement must be one of {DRAFT_PLACEMENTS}, got '
+                       f'{draft_placement!r}.')
+    self.draft_placement = draft_placement
     self._mesh: Optional[Mesh] = None
 
   @property
@@ -358,7 +456,9 @@ class Partitioner:
     return self.mesh.shape['data']
 
   def pair_shardings(self, model: Any, params: Optional[PyTree] = None) -> Dict[str, PyTree]:
-    return pair_shardings(model, self.mesh, self.logical_axis_rules, params)
+    return pair_shardings(model, self.mesh, self.logical_axis_rules, params,
+                          self.draft_placement)
 
   def partition_predict(self, model: Any, params: Optional[PyTree] = None, **predict_kwargs):
-    return partition_predict(model, self.mesh, self.logical_axis_rules, params, **predict_kwargs)
+    return partition_predict(model, self.mesh, self.logical_axis_rules, params,
+                             self.draft_placement, **predict_kwargs)

@@ -13,16 +13,22 @@ open into its candidates, ordered from the plain decoder to the most speculative
   speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
 and a `DecodingPolicy` that picks one per batch. Every batch is a real batch of the job (its
-outputs are kept: there is no separate calibration); its time per output position (wall time
-over the longest output of the batch) is recorded for the choice that ran it, and a choice's
-cost is the median of its last `window` batches. The first batch runs the fallback; then the
-running choice's untried neighbours (one step more or less speculative) are tried, and a
-neighbour that measures faster is measured again (`CONFIRM` batches) before it becomes the
-running choice: a local search that stops where both neighbours are slower, so a job tries two
-or three choices, not all. A neighbour is re-measured `explore_every` batches after it last
-ran, and twice as long after each time it is still slower, so a long job follows the machine's
-drift at a cost that shrinks. A job shorter than the search runs the fallback, and its summary
-says so.
+outputs are kept: there is no separate calibration); its wall time and output positions (the
+longest output of the batch) are recorded for the choice that ran it. A choice's cost is total
+ms over total positions of its last `window` batches (a ratio of sums: a short batch, which
+carries the encoder and per-batch overhead over few positions, weighs less; a burst of another
+process is clipped). The first batch runs the fallback; then the running choice's neighbours
+(one step more or less speculative) are tried: a local search that stops where both neighbours
+are slower, so a job tries two or three choices, not all. A neighbour replaces the running
+choice only once it is faster by a margin beyond the noise of the two estimates (the noise of
+one batch pooled over the job's batches); while it may be faster, it (or the running choice,
+if that has fewer batches) runs again. Exploration is bounded: batches of other choices may
+cost at most `EXPLORE_SHARE` of the job's time beyond the running choice's (an untried, more
+speculative neighbour is assumed slower unless the last step toward it saved time); the plain
+decoder is exempt, as time on it is never lost against decoding without speculation. A
+neighbour that is surely not faster is re-measured `explore_every` batches after it last ran,
+and twice as long after each time, so a long job follows the machine's drift at a cost that
+shrinks. A job shorter than the search runs the fallback, and its summary says so.
 
 BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
 """
@@ -51,15 +57,30 @@ FALLBACK_GAMMA = 1
 # arithmetic-bound on a CPU and did not pay there).
 TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
 FALLBACK_TREE: Tuple[int, ...] = ()
-WINDOW = 8
-# A neighbour measured slower is re-measured EXPLORE_EVERY batches later, then after twice as
-# many each time it is still slower (at most MAX_EXPLORE_EVERY): a long job keeps following the
-# machine's drift, and a neighbour that never pays costs ever fewer batches.
-EXPLORE_EVERY = 16
+# A choice's cost: total ms over total output positions of its last WINDOW batches (a ratio of
+# sums: a short batch carries the per-batch fixed cost over few positions, and weighs less).
+WINDOW = 24
+# A neighbour replaces the running choice once its cost is lower by more than MARGIN, by Z
+# standard errors of the difference (log ms per position, sigma pooled over all the choices'
+# batches: one batch at batch 1 is one sentence, and its time varies by 10-25%). Until then, a
+# neighbour that looks faster by more than MARGIN runs again.
+MARGIN = 0.01
+Z = 0.5
+PRIOR_SIGMA, PRIOR_BATCHES = 0.15, 4
+# A batch counts at most SPIKE times the choice's median ms per position.
+SPIKE = 1.5
+# Exploration (batches of non-running choices) may cost at most EXPLORE_SHARE of the job's time
+# beyond what the running choice would have taken; an untried neighbour is expected to cost
+# PRIOR_SLOWDOWN more than the running choice unless the step to the running choice from its
+# other side saved time. The plain decoder (choices[0]) is exempt: time on it is never lost
+# against decoding without speculation.
+EXPLORE_SHARE = 0.01
+PRIOR_SLOWDOWN = 0.5
+# A neighbour measured not faster is re-measured EXPLORE_EVERY batches later, then after twice as
+# many each time it is still not faster (at most MAX_EXPLORE_EVERY): a long job keeps following
+# the machine's drift, and a neighbour that never pays costs ever fewer batches.
+EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
-# A choice replaces the running one only once its median over this many batches is lower: one
-# batch's time is noisy (at batch 1, one sentence).
-CONFIRM = 2
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -98,15 +119,30 @@ def output_positions(decodes: Any) -> int:
 
 @dataclasses.dataclass
 class _Record:
-  """One choice's measurements: ms per output position of its last batches."""
-  costs: Deque[float]
+  """One choice's measurements: ms and output positions of its last batches."""
+  ms: Deque[float]
+  positions: Deque[int]
   batches: int = 0
   last: int = -1  # the job's batch number it last ran
   interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
 
+  def _clipped(self) -> Tuple[np.ndarray, np.ndarray]:
+    """(ms, positions) of the window, each batch's ms at most SPIKE times its positions at the
+    median ms per position: another process's burst must not stick to a choice for a window."""
+    ms, positions = np.asarray(self.ms), np.asarray(self.positions)
+    return np.minimum(ms, SPIKE * np.median(ms / positions) * positions), positions
+
   @property
   def cost(self) -> float:
-    return float(np.median(self.costs)) if self.costs else float('inf')
+    """ms per output position: a ratio of sums over the window."""
+    if not self.ms:
+      return float('inf')
+    ms, positions = self._clipped()
+    return float(ms.sum() / positions.sum())
+
+  def log_ratios(self) -> np.ndarray:
+    ms, positions = self._clipped()
+    return np.log(ms / positions)
 
 
 class DecodingPolicy:
@@ -130,10 +166,12 @@ class DecodingPolicy:
     self.explore_every = explore_every
     self.window = window
     self.clock = clock
-    self.records = {c: _Record(collections.deque(maxlen=window), interval=explore_every)
-                    for c in self.choices}
+    self.records = {c: _Record(collections.deque(maxlen=window), collections.deque(maxlen=window),
+                               interval=explore_every) for c in self.choices}
     self.current = self.fallback  # the running choice
     self.batches = 0
+    self.total_ms = 0.0
+    self.excess_ms = 0.0  # what batches of other choices cost beyond the running choice's cost
 
   @property
   def measured(self) -> bool:
@@ -148,23 +186,58 @@ class DecodingPolicy:
     i = self.choices.index(self.current)
     return [self.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(self.choices)]
 
+  def _sigma(self) -> float:
+    """The noise of one batch's log ms per position, pooled over the choices (with a prior)."""
+    squares, dof = PRIOR_SIGMA ** 2 * PRIOR_BATCHES, PRIOR_BATCHES
+    for record in self.records.values():
+      if len(record.ms) > 1:
+        logs = record.log_ratios()
+        squares += float(np.sum((logs - logs.mean()) ** 2))
+        dof += len(logs) - 1
+    return float(np.sqrt(squares / dof))
+
+  def _advantage(self, choice: Any) -> Tuple[float, float]:
+    """(log of the running choice's cost over `choice`'s: > 0 when it is faster, its standard
+    error)."""
+    record, current = self.records[choice], self.records[self.current]
+    if not record.ms or not current.ms:
+      return 0.0, float('inf')
+    error = self._sigma() * np.sqrt(1 / len(record.ms) + 1 / len(current.ms))
+    return float(np.log(current.cost / record.cost)), float(error)
+
+  def _expected_slowdown(self, choice: Any) -> float:
+    """How much slower than the running choice a batch of `choice` is expected to be."""
+    if self.records[choice].ms:
+      return max(0.0, -self._advantage(choice)[0])
+    i, j = self.choices.index(self.current), self.choices.index(choice)
+    other = 2 * i - j  # the running choice's neighbour on the other side
+    if 0 <= other < len(self.choices) and self.records[self.choices[other]].ms and (
+        self.records[self.choices[other]].cost > self.records[self.current].cost):
+      return 0.0  # the step from there to the running choice saved time: keep going
+    return PRIOR_SLOWDOWN
+
+  def _affordable(self, choice: Any) -> bool:
+    """Whether a batch of `choice` keeps exploration within EXPLORE_SHARE of the job's time."""
+    if choice == self.choices[0]:
+      return True
+    current = self.records[self.current]
+    batch_ms = sum(current.ms) / len(current.ms)
+    return (self.excess_ms + self._expected_slowdown(choice) * batch_ms <=
+            EXPLORE_SHARE * (self.total_ms + batch_ms))
+
   def _next(self) -> Any:
-    if not self.measured:
-      return self.choices[0]
-    records, current = self.records, self.records[self.current]
-    if not current.costs:  # the first batch: the fallback
+    if not self.measured or not self.records[self.current].ms:  # the first batch: the fallback
       return self.current
-    neighbours = self._neighbours()
-    for choice in neighbours:  # looks faster after too few batches: measure it again
-      if records[choice].costs and records[choice].cost < current.cost and len(
-          records[choice].costs) < CONFIRM:
-        return choice
-    for choice in neighbours:  # the local search: an untried neighbour first
-      if not records[choice].costs:
-        return choice
-    due = [c for c in neighbours if self.batches - records[c].last >= records[c].interval]
-    if due:  # re-measure a neighbour now and then: the machine's speed drifts
-      return min(due, key=lambda c: records[c].last)
+    neighbours, current = self._neighbours(), self.records[self.current]
+    for choice in neighbours:  # may be faster, not yet surely: measure it again (or the running
+      record = self.records[choice]  # choice, if it has fewer batches: both estimates are noisy)
+      gain, error = self._advantage(choice)
+      if record.ms and (gain > MARGIN or gain + Z * error > MARGIN and self._affordable(choice)):
+        return choice if len(record.ms) <= len(current.ms) else self.current
+    due = [c for c in neighbours if self.batches - self.records[c].last >=
+           (self.records[c].interval if self.records[c].ms else 0) and self._affordable(c)]
+    if due:  # untried neighbours first (the local search), then the longest unmeasured
+      return min(due, key=lambda c: self.records[c].last)
     return self.current
 
   def choose(self) -> Any:
@@ -178,18 +251,24 @@ class DecodingPolicy:
 
   def observe(self, choice: Any, seconds: float, decodes: Any) -> None:
     """Records a decoded batch: its choice, wall seconds and decodes [batch, (beams,) length]."""
-    record = self.records[choice]
-    record.costs.append(1e3 * seconds / output_positions(decodes))
+    record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
+    if choice not in (self.current, self.choices[0]) and self.records[self.current].ms:
+      self.excess_ms += ms - self.records[self.current].cost * positions
+    record.ms.append(ms)
+    record.positions.append(positions)
     record.batches += 1
     record.last = self.batches
     self.batches += 1
-    confirmed = [c for c in self.choices if c == self.current or
-                 len(self.records[c].costs) >= min(CONFIRM, self.window)]
-    best = min(confirmed, key=lambda c: self.records[c].cost)
-    if best != self.current:
+    self.total_ms += ms
+    if choice == self.current and len(self.choices) == 1:
+      return
+    advantages = {c: self._advantage(c) for c in self._neighbours()}
+    surely = [c for c, (gain, error) in advantages.items() if gain - Z * error > MARGIN]
+    if surely:
+      best = max(surely, key=lambda c: advantages[c][0])
       self.records[self.current].interval = self.explore_every
       self.current = best
-    elif choice != self.current and record.cost >= self.records[self.current].cost:
+    elif choice != self.current and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
       record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
 
   def decode(self, run: Callable[[Any], Any], prepare: Optional[Callable[[Any], Any]] = None
@@ -212,6 +291,7 @@ class DecodingPolicy:
     tried = {c: r for c, r in self.records.items() if r.batches}
     return {'setting': self.setting, 'fallback': _json(self.fallback), 'best': _json(self.best()),
             'fallback_only': list(tried) == [self.fallback],
+            'exploration_share': round(self.excess_ms / self.total_ms, 4),
             'measured': {str(_json(c)): {'batches': r.batches,
                                          'ms_per_position': round(r.cost, 4)}
                          for c, r in tried.items()}}

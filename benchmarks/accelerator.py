@@ -1,0 +1,169 @@
+"""Step and loop times at T5 1.1 large/XL shapes on an accelerator, beside the roofline projection.
+
+  python -m benchmarks.accelerator                       # a GPU machine: results/gpu/
+  python -m benchmarks.accelerator --tiny --machine cpu  # tiny configs on any machine (tests)
+
+Random weights (nothing to download), the shipped T5 1.1 configs (target --sizes, draft small),
+inputs --input_length / outputs --output_length, parameters in --param_dtype, one device. For
+each (size, batch) it times, as `benchmarks.harness.step_times_ms` times steps inside a jitted
+loop: the target's 1-token and (gamma + 1)-token steps and the draft's 1- and 2-token steps; and
+both loops whole (target-only greedy, greedy speculative at each --gammas; every row decodes
+all positions: no EOS), round-robin over --rounds. Beside each step: its roofline projection
+(`benchmarks.roofline.step_seconds` from the step program's own cost analysis on this backend
+and the --hardware entry of `roofline.HARDWARE`, detected from the device kind); beside each
+speculative loop: the time its measured steps predict (target calls x (draft steps + verify)).
+Random weights accept few draft tokens, so the loops check the cost model, not the speedup.
+The default sweep fits in about 10 minutes on one H100-class GPU (compilation included).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+from benchmarks import roofline
+from benchmarks.harness import Setting
+from benchmarks import scale
+from speculative_t5x import network
+from speculative_t5x import partitioning
+from speculative_t5x import policy
+
+NAME = 'accelerator'
+TINY_SHAPES = (16, 8)  # input, output length under --tiny
+
+
+def detect_hardware() -> Optional[str]:
+  """The roofline.HARDWARE entry of this machine's first device, or None."""
+  kind = jax.devices()[0].device_kind.lower().replace(' ', '')
+  return next((name for name, kinds in roofline.DEVICE_KINDS.items()
+               if any(k in kind for k in kinds)), None)
+
+
+def random_pair(target: network.T5Config, draft: network.T5Config, dtype: str) -> Any:
+  """A harness pair of random weights in `dtype`, initialised on the device."""
+  params = {}
+  for i, (name, config) in enumerate((('target', target), ('draft', draft))):
+    init = jax.jit(lambda key, config=config: network.init_params(config, key)[0])
+    params[name] = jax.tree.map(lambda x: x.astype(dtype), init(jax.random.PRNGKey(i)))
+  return harness.make_pair(target, draft, params)
+
+
+def step_projections(pair: Any, batch: int, ks: Mapping[str, Sequence[int]],
+                     shapes: Sequence[int], hardware: Optional[str]) -> Dict[str, Any]:
+  """Per model and k: the step program's flops and bytes on this backend, and its projected ms
+  on `hardware` (None: figures only)."""
+  mesh = partitioning.create_mesh((1, 1), devices=jax.devices()[:1])
+  rules = partitioning.standard_logical_axis_rules()
+  out = {}
+  for name, widths in ks.items():
+    config = pair.configs[name]
+    cache = scale.abstract_cache(config, pair.params[name], batch, *shapes)
+    out[name] = {}
+    for k in widths:
+      cost = scale.step_program(config, pair.params[name], pair.params['decode'][name], cache,
+                                mesh, rules, k)
+      if hardware:
+        cost['projected_ms'] = 1e3 * roofline.step_seconds(cost, 1, roofline.HARDWARE[hardware])
+      out[name][str(k)] = cost
+  return out
+
+
+def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], rounds: int
+          ) -> Dict[str, Any]:
+  """ms per pass of target-only and speculative greedy loops over one random batch, with each
+  speculative loop's target calls and accepted drafts."""
+  rng = np.random.default_rng(0)
+  tokens = {'encoder_input_tokens': rng.integers(3, 100, (batch, shapes[0])).astype(np.int32),
+            'decoder_input_tokens': np.zeros((batch, shapes[1]), np.int32)}
+  batches = [partitioning.shard_batch(tokens, harness.partitioner().mesh)]
+  settings = [Setting('baseline')] + [Setting('speculative', gamma=g) for g in gammas]
+  compiled = {s.name: harness.compile_setting(s, pair, batches, eos_id=-1) for s in settings}
+  outputs = harness.warm({n: c.one_pass for n, c in compiled.items()})
+  times = policy.round_robin({n: c.one_pass for n, c in compiled.items()}, rounds)
+  out = {}
+  for setting in settings:
+    row = {'ms_per_pass': harness.ms_per(times[setting.name], 1),
+           'compile_s': compiled[setting.name].info()['compile_s']}
+    stats = harness.collect(outputs[setting.name], batch)['stats']
+    if stats:
+      row.update(target_calls=int(np.max(stats['target_calls'])),
+                 accepted=int(stats['accepted'].sum()), gamma=setting.gamma)
+    out[setting.name] = row
+  return out
+
+
+def block(size: str, batch: int, args: argparse.Namespace) -> Dict[str, Any]:
+  """Steps (timed and projected) and loops (timed and predicted from the steps)."""
+  target = scale.model_config('tiny' if args.tiny else size)
+  draft = scale.model_config('tiny_draft' if args.tiny else scale.DRAFT)
+  pair = random_pair(target, draft, args.param_dtype)
+  shapes = TINY_SHAPES if args.tiny else (args.input_length, args.output_length)
+  ks = {'target': sorted({1} | {g + 1 for g in args.gammas}), 'draft': [1, 2]}
+  timed = {name: harness.step_times_ms(pair, name, batch, widths, args.rounds, shapes=shapes)
+           for name, widths in ks.items()}
+  steps = step_projections(pair, batch, ks, shapes, args.hardware)
+  for name, widths in timed.items():
+    for k, ms in widths.items():
+      steps[name][str(k)]['measured_ms'] = ms
+  loop = loops(pair, batch, args.gammas, shapes, args.rounds)
+  for row in loop.values():
+    g = row.get('gamma', 0)
+    # Each iteration: a 2-token draft call, g - 1 one-token calls, one verify call (g = 0: one
+    # 1-token target step); the rows that decode longest set the number of iterations.
+    iteration = timed['target'][g + 1] + (
+        timed['draft'][2] + (g - 1) * timed['draft'][1] if g else 0.0)
+    row['predicted_ms'] = row.get('target_calls', shapes[1]) * iteration
+  return {'steps': steps, 'loops': loop, 'shapes': list(shapes)}
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+  lines = harness.heading('Accelerator: steps and loops at T5 1.1 shapes', results)
+  lines += [f"Hardware entry of the projection: {results['meta']['hardware']}.", '']
+  for key, b in results['blocks'].items():
+    lines += [f'## {key} (input, output: {b["shapes"]})', '']
+    lines += harness.table(
+        ('step', 'measured ms', 'projected ms', 'GFLOP', 'MB accessed'),
+        [[f'{name} {k} tokens', f"{s['measured_ms']:.3f}", harness.fmt(s.get('projected_ms'),
+                                                                      '.4f'),
+          f"{s['flops'] / 1e9:.3f}", f"{s['bytes_accessed'] / 1e6:.1f}"]
+         for name, widths in b['steps'].items() for k, s in widths.items()]) + ['']
+    lines += harness.table(
+        ('loop', 'ms per pass', 'predicted from steps ms', 'target calls', 'accepted', 'compile s'),
+        [[name, f"{r['ms_per_pass']:.1f}", harness.fmt(r.get('predicted_ms'), '.1f'),
+          str(r.get('target_calls', '')), str(r.get('accepted', '')), f"{r['compile_s']:.0f}"]
+         for name, r in b['loops'].items()]) + ['']
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  p = harness.parser(__doc__, sentences='', rounds=5)
+  p.set_defaults(machine='gpu')
+  p.add_argument('--sizes', default='large,xl')
+  p.add_argument('--batches', default='1,8')
+  p.add_argument('--gammas', default='3,5')
+  p.add_argument('--input_length', type=int, default=scale.INPUT_LENGTH)
+  p.add_argument('--output_length', type=int, default=128)
+  p.add_argument('--param_dtype', default='bfloat16')
+  p.add_argument('--hardware', default=None, help=f'one of {list(roofline.HARDWARE)}')
+  p.add_argument('--tiny', action='store_true', help='tiny configs and shapes (any machine)')
+  args = p.parse_args(argv)
+  args.gammas = harness.parse_ints(args.gammas, '--gammas')
+  args.hardware = args.hardware or detect_hardware()
+  results = {'meta': harness.meta(NAME, argv, args, hardware=args.hardware,
+                                  param_dtype=args.param_dtype), 'blocks': {}}
+  for size in (['tiny'] if args.tiny else args.sizes.split(',')):
+    for batch in harness.parse_ints(args.batches, '--batches'):
+      results['blocks'][f'{size} b{batch}'] = block(size, batch, args)
+      paths = harness.write_results(args, NAME, results, markdown)
+      print(f'{size} b{batch}', flush=True)
+  print('wrote', *paths)
+  return results
+
+
+if __name__ == '__main__':
+  main()
