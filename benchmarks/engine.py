@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
 
+from benchmarks import compiled as hlo
 from benchmarks import harness
 from benchmarks.harness import Setting
 from speculative_t5x import data
@@ -43,12 +43,9 @@ KINDS = ('fusion', 'dot', 'copy')
 def while_body_counts(hlo_text: str) -> Dict[str, int]:
   """Top-level instructions of the (first) while body of a compiled program, by kind: XLA:CPU
   runs each as one kernel (a fusion, a library matmul, a copy, ...)."""
-  bodies = re.findall(r'\swhile\(.*?body=%?([\w.\-]+)', hlo_text)
-  if not bodies:
-    raise ValueError('no while loop in the program')
-  match = re.search(r'\n%?' + re.escape(bodies[0]) + r' [^\n]*\{\n(.*?)\n\}', hlo_text, re.S)
-  counts = collections.Counter(
-      m.group(1) for m in re.finditer(r'=\s*\S+\s+([a-z][\w-]*)\(', match.group(1)))
+  module = hlo.Module.parse(hlo_text)
+  _, body = module.whiles()[0]
+  counts = collections.Counter(inst.opcode for inst in module.computations[body])
   skipped = ('parameter', 'get-tuple-element', 'constant', 'tuple', 'bitcast')
   kernels = {kind: counts[kind] for kind in KINDS}
   kernels['kernels'] = sum(n for kind, n in counts.items() if kind not in skipped)

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import drafts
 from benchmarks import encoder_width
+from benchmarks import engine
 from benchmarks import profile
 from benchmarks import speed
 from benchmarks import vs_t5x
@@ -123,3 +124,18 @@ def test_encoder_width(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert [r['decoder'] for r in block['rounded_over_64']] == ['target-only T=0',
                                                               'speculative gamma=1 T=0']
   assert len(block['ms_per_sentence']) == 4
+
+
+def test_engine(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  engine.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1'])
+  block = written(tmp_path, 'engine', 'The engine')['batches']['1']
+  assert block['identical_outputs']
+  rows = {r['layout']: r for r in block['rows']}
+  assert set(rows) == {'separate', 'stacked'}
+  # Stacking removes two matmuls per decoder layer from a 1-token target step (q/k/v: 3 -> 1;
+  # the embedded target's gated MLP: wi_0/wi_1 2 -> 1, so three in all).
+  layers = 6
+  dots = {name: r['kernels']['target k=1']['dot'] for name, r in rows.items()}
+  assert dots['separate'] - dots['stacked'] >= 2 * layers, dots
+  assert set(block['stacked_over_separate']) >= {'target k=1', 'encoders', 'target-only T=0'}
+
