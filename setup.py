@@ -15,7 +15,7 @@ setuptools.setup(
     package_dir={'speculative_t5x.gin_configs': 'gin_configs'},
     # The embedded model pair, its vocabulary, the gin configs and the caption sample: the
     # commands the README prints need them from an installed wheel too (tests/test_packaging.py).
-    package_data={'speculative_t5x': ['pretrained/*.msgpack', 'vocab/*.model', 'samples/*.txt'],
+    package_data={'speculative_t5x': ['pretrained/*.msgpack', 'pretrained/*.json', 'vocab/*.model', 'samples/*.txt'],
                   'speculative_t5x.gin_configs': ['**/*.gin']},
     entry_points={'console_scripts': [
         'speculative-t5x-translate = speculative_t5x.translate:main',

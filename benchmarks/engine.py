@@ -2,18 +2,21 @@
 
   python -m benchmarks.engine --sentences 1:64,8:128 --gammas 3 --rounds 5
 
-Two preparations of the same embedded pair (`network.decode_variables`):
+Three preparations of the same embedded pair (`network.decode_variables`), each adding one
+change to the one before:
   separate: the tied logits kernel pre-transposed, every projection its own matmul (the engine
-    before the stacked projections);
-  stacked:  also q/k/v, the cross-attention k/v and the gated MLP's wi_0/wi_1 stacked into one
-    matmul each (encoder and decoder).
+    before the changes);
+  stacked: also q/k/v, the cross-attention k/v and the gated MLP's wi_0/wi_1 stacked into one
+    matmul each (encoder and decoder);
+  draft vocabulary: also the draft's logits over the tokens it may propose only (the embedded
+    draft's `checkpoints.load_draft_vocabulary`).
 Per batch size, for each: the compiled while body of the target's 1-token and (gamma+1)-token
 steps and the draft's 1-token step (top-level HLO instructions: fusions, library matmuls,
 copies); those steps' times inside a jitted loop (`harness.step_loop`), the draft's cost ratio
 c; the encoder at the batches' median width; greedy target-only and greedy speculative decoding
 (each --gammas value) of the first test sentences. Every timed pass of a batch size, both
 preparations, runs round-robin (see benchmarks.harness); speedups are medians over rounds of
-separate's time over stacked's in the same round. Outputs are compared token for token.
+separate's time over the layout's in the same round. Outputs are compared token for token.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import numpy as np
 from benchmarks import compiled as hlo
 from benchmarks import harness
 from benchmarks.harness import Setting
+from speculative_t5x import checkpoints
 from speculative_t5x import data
 from speculative_t5x import network
 from speculative_t5x import pipeline
 from speculative_t5x import policy
 
 NAME = 'engine'
-LAYOUTS = {'separate': False, 'stacked': True}
+LAYOUTS = ('separate', 'stacked', 'draft vocabulary')
 STEPS_PER_CALL = 16
 # The instruction kinds reported per step (the others are bookkeeping: parameters, tuples).
 KINDS = ('fusion', 'dot', 'copy')
@@ -50,6 +54,14 @@ def while_body_counts(hlo_text: str) -> Dict[str, int]:
   kernels = {kind: counts[kind] for kind in KINDS}
   kernels['kernels'] = sum(n for kind, n in counts.items() if kind not in skipped)
   return kernels
+
+
+def layouts(pair: pipeline.Pair) -> Dict[str, pipeline.Pair]:
+  """{layout: the pair prepared so} (module docstring)."""
+  vocabulary = checkpoints.load_draft_vocabulary(pipeline.EMBEDDED_DRAFT)
+  return {'separate': harness.with_layouts(pair, False),
+          'stacked': harness.with_layouts(pair, True),
+          'draft vocabulary': harness.with_layouts(pair, True, vocabulary)}
 
 
 def step_passes(pairs: Mapping[str, pipeline.Pair], batch: int, verify_k: int
@@ -115,21 +127,24 @@ def batch_block(pairs: Mapping[str, pipeline.Pair], settings: Sequence[Setting],
     row['encoders_ms'] = ms((layout, 'encoders'), 1)
     row['ms_per_sentence'] = {s.name: ms((layout, s.name), count) for s in settings}
     rows.append(row)
-  speedups = {'/'.join(key[1:]): harness.speedups(times, ('separate',) + key[1:])[key]
-              for key in passes if key[0] == 'stacked'}
+  speedups = collections.defaultdict(dict)  # {pass: {layout: its speedup over separate}}
+  for layout, what in passes:
+    if layout != 'separate':
+      speedups[what][layout] = harness.speedups(times, ('separate', what))[layout, what]
   decodes = {key: harness.collect(outputs[key], count)['decodes'] for key in compiled}
   reference = decodes['separate', settings[0].name]
   block = {'num_sentences': count, 'encoder_width': widths[len(widths) // 2], 'rows': rows,
-           'stacked_over_separate': speedups,
+           'over_separate': dict(speedups),
            'identical_outputs': all(np.array_equal(d, reference) for d in decodes.values())}
-  for key, s_ in speedups.items():
-    print(f"batch {batch_size} stacked over separate, {key}: {s_['speedup']:.3f}x "
-          f"({s_['speedup_min']:.2f}-{s_['speedup_max']:.2f})", flush=True)
+  for what, by_layout in speedups.items():
+    print(f'batch {batch_size} {what} over separate: ' + ', '.join(
+        f"{layout} {s_['speedup']:.3f}x ({s_['speedup_min']:.2f}-{s_['speedup_max']:.2f})"
+        for layout, s_ in by_layout.items()), flush=True)
   return block
 
 
 def markdown(results: Mapping[str, Any]) -> str:
-  lines = harness.heading('The engine: stacked projections against separate ones', results)
+  lines = harness.heading('The engine: decode-time layouts against the previous ones', results)
   for batch_size, block in results['batches'].items():
     rows = block['rows']
     steps = list(rows[0]['step_ms'])
@@ -148,9 +163,12 @@ def markdown(results: Mapping[str, Any]) -> str:
     lines += harness.table(['layout'] + steps, [
         [r['layout']] + ['{kernels} ({fusion} / {dot} / {copy})'.format(**r['kernels'][s])
                          for s in steps] for r in rows]) + ['']
-    lines += harness.table(('stacked over separate', 'speedup (range over rounds)'), [
-        [key, f"{s_['speedup']:.3f}x ({s_['speedup_min']:.2f}-{s_['speedup_max']:.2f})"]
-        for key, s_ in block['stacked_over_separate'].items()]) + ['']
+    others = [r['layout'] for r in rows[1:]]
+    span = lambda s_: f"{s_['speedup']:.3f}x ({s_['speedup_min']:.2f}-{s_['speedup_max']:.2f})"
+    lines += ['Speedup over separate (median over rounds, and its range):', '']
+    lines += harness.table(['pass'] + others, [
+        [what] + [span(by_layout[layout]) for layout in others]
+        for what, by_layout in block['over_separate'].items()]) + ['']
   return '\n'.join(lines)
 
 
@@ -159,8 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   settings = [Setting('baseline')] + [Setting('speculative', gamma=g)
                                       for g in harness.parse_gammas(args.gammas, auto=False)]
   sources, _ = harness.test_split(args.data_dir)
-  pair = harness.load_pair()
-  pairs = {layout: harness.with_layouts(pair, fuse) for layout, fuse in LAYOUTS.items()}
+  pairs = layouts(harness.load_pair())
   results = {'meta': harness.meta(NAME, argv, args), 'batches': {}}
   for batch_size, count in harness.parse_sentences(args.sentences).items():
     results['batches'][str(batch_size)] = batch_block(pairs, settings, batch_size,

@@ -215,12 +215,15 @@ def load_pair(target: str = str(pipeline.EMBEDDED_TARGET),
   return _sharded(pipeline.load_pair(target, draft))
 
 
-def with_layouts(pair: pipeline.Pair, fuse: bool) -> pipeline.Pair:
-  """The pair with its decode-time variables made again, with or without the stacked
-  projections (`network.decode_variables`), placed on the mesh."""
+def with_layouts(pair: pipeline.Pair, fuse: bool,
+                 draft_vocabulary: Optional[np.ndarray] = None) -> pipeline.Pair:
+  """The pair with its decode-time variables made again (`network.decode_variables`): with or
+  without the stacked projections, the draft's logits over all tokens or `draft_vocabulary`;
+  placed on the mesh."""
   params = {name: pair.params[name] for name in pair.configs}
   prepared = jax.jit(functools.partial(models.EncoderDecoderModel(
-      pair.target_config, pair.draft_config).with_decode_variables, fuse=fuse))(params)
+      pair.target_config, pair.draft_config).with_decode_variables, fuse=fuse,
+                                       draft_vocabulary=draft_vocabulary))(params)
   return _sharded(dataclasses.replace(pair, params=prepared))
 
 

@@ -321,6 +321,29 @@ def load_model(source: PathLike) -> Tuple[network.T5Config, Params]:
   return config, params
 
 
+# The file beside a draft's weights listing the tokens it may propose: {"token_ids": [...]}.
+DRAFT_VOCABULARY_SUFFIX = '.vocabulary.json'
+
+
+def load_draft_vocabulary(path: Optional[PathLike]) -> Optional[np.ndarray]:
+  """The token ids a draft may propose, [n] int32, from `<path>.vocabulary.json` beside its
+  weights (`EncoderDecoderModel.with_decode_variables`' draft_vocabulary), or None when there
+  is no such file. A malformed file raises a one-line ValueError naming it."""
+  if path is None or '://' in os.fspath(path):
+    return None
+  sidecar = Path(os.fspath(gin_utils.resolve_path(path)) + DRAFT_VOCABULARY_SUFFIX)
+  if not sidecar.is_file():
+    return None
+  try:
+    ids = np.asarray(json.loads(sidecar.read_text())['token_ids'], np.int32)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f'{sidecar}: not a draft vocabulary ({{"token_ids": [...]}}): {e}') from None
+  if ids.ndim != 1 or not ids.size or ids.min() < 0 or len(np.unique(ids)) != ids.size:
+    raise ValueError(f'{sidecar}: token_ids must be distinct non-negative ids, got {ids.size} '
+                     'ids')
+  return ids
+
+
 # ------------------------------------------------------------------------------------------------
 # Locating a checkpoint.
 

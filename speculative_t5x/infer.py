@@ -401,7 +401,11 @@ def _load_pair(model: models.EncoderDecoderModel, target_path: Optional[str],
     params['draft'] = _load(draft_path, model.draft_config, dtype, 'draft')
   # Decode-time weight layouts once per job, not once per batch (eager: each process computes
   # its full copy, as it holds full parameters before sharding).
-  params = model.with_decode_variables(params)
+  try:
+    vocabulary = checkpoints.load_draft_vocabulary(draft_path) if model.uses_draft else None
+  except ValueError as e:
+    raise InferError(f'draft vocabulary: {e}') from None
+  params = model.with_decode_variables(params, draft_vocabulary=vocabulary)
   load_seconds = time.time() - start
   shardings = partitioner.pair_shardings(model, params)
   return partitioning.shard_params(params, shardings), load_seconds

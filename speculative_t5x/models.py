@@ -135,13 +135,24 @@ class EncoderDecoderModel:
         out['params_axes'][name] = variables['params_axes']
     return out
 
-  def with_decode_variables(self, params: Params, fuse: bool = True) -> Dict[str, Any]:
-    """`params` plus 'decode': each model's `network.decode_variables` (with the stacked
-    projections unless not `fuse`), for repeated predicts."""
-    modules = (('target', self.module), ('draft', self.draft_module))
-    return {**params, 'decode': {name: network.decode_variables(module.config, params[name], fuse)
-                                 for name, module in modules
-                                 if module is not None and name in params}}
+  def with_decode_variables(self, params: Params, fuse: Optional[bool] = None,
+                            draft_vocabulary: Optional[Any] = None) -> Dict[str, Any]:
+    """`params` plus 'decode': each model's `network.decode_variables`, for repeated predicts.
+
+    fuse: with the stacked projections; default: on a CPU backend only. XLA:CPU runs every
+      matmul as a kernel of its own; on an accelerator the copies' memory (about two thirds
+      of the weights) is certain and the gain unmeasured.
+    draft_vocabulary: optional token ids the draft may propose (`network.decode_variables`'
+      `vocabulary_ids`; outputs stay exact), e.g. `checkpoints.load_draft_vocabulary(path)`.
+    """
+    if fuse is None:
+      fuse = jax.default_backend() == 'cpu'
+    out = {}
+    for name, module in (('target', self.module), ('draft', self.draft_module)):
+      if module is not None and name in params:
+        ids = draft_vocabulary if name == 'draft' else None
+        out[name] = network.decode_variables(module.config, params[name], fuse, ids)
+    return {**params, 'decode': out}
 
   def _compute_logits(self, params: Params, batch: Mapping[str, Array]) -> Array:
     return self.module.apply({'params': params['target']}, batch['encoder_input_tokens'],

@@ -551,15 +551,24 @@ class Decoder(nn.Module):
 
   def _logits(self, y: Array, deterministic: bool) -> Array:
     y = self.dropout(self.decoder_norm(y), deterministic=deterministic)
-    if self.config.logits_via_embedding:
-      # In the norm's dtype: float32 under float32_logits, else the config's.
-      kernel = _decode_variable(self, 'logits_kernel')
-      if kernel is not None:
-        logits = jnp.dot(y, kernel.astype(y.dtype))
-      else:
-        logits = self.shared_embedding.attend(y, y.dtype)
-      return logits / jnp.sqrt(y.shape[-1]).astype(y.dtype)
-    return self.logits_dense(y)
+    tied = self.config.logits_via_embedding
+    # Tied: in the norm's dtype (float32 under float32_logits, else the config's); untied:
+    # `logits_dense` multiplies in float32.
+    dtype = y.dtype if tied else jnp.float32
+    kernel = _decode_variable(self, 'logits_kernel')
+    if kernel is not None:
+      logits = jnp.dot(y.astype(dtype), kernel.astype(dtype))
+    elif tied:
+      logits = self.shared_embedding.attend(y, dtype)
+    else:
+      logits = self.logits_dense(y)
+    if tied:
+      logits = logits / jnp.sqrt(y.shape[-1]).astype(dtype)
+    ids = _decode_variable(self, 'logits_ids')
+    if ids is not None:  # a vocabulary restricted to `ids`: every other token is masked
+      full = jnp.full(logits.shape[:-1] + (self.config.vocab_size,), MASK_BIAS, logits.dtype)
+      logits = full.at[..., ids].set(logits)
+    return logits
 
   def cross_kv(self, encoded: Array) -> Tuple[Tuple[Array, Array], ...]:
     return tuple(layer.cross_kv(encoded) for layer in self.layers)
@@ -725,7 +734,8 @@ class Transformer(nn.Module):
     return self.decoder.tree_step(tokens, cache, tree_depths, tree_mask)
 
 
-def decode_variables(config: T5Config, params: Any, fuse: bool = True) -> Dict[str, Any]:
+def decode_variables(config: T5Config, params: Any, fuse: bool = True,
+                     vocabulary_ids: Optional[Any] = None) -> Dict[str, Any]:
   """Predict-time copies of parameters in the layouts the encoder and the cached decoder step
   read fastest.
 
@@ -735,6 +745,12 @@ def decode_variables(config: T5Config, params: Any, fuse: bool = True) -> Dict[s
   job (`EncoderDecoderModel.with_decode_variables`), or per decode when not prepared:
     decoder/logits_kernel (tied embeddings): the embedding transposed, [emb, vocab].
       `y @ embedding.T` makes XLA:CPU transpose the table (or repack it) on every step.
+  with `vocabulary_ids` ([n] token ids), logits over those tokens only, the others masked
+  (MASK_BIAS): decoder/logits_kernel [emb, n] holds their columns and decoder/logits_ids the
+  ids. For a draft: its proposals are only proposals (the target decides what is emitted, and
+  speculative sampling's acceptance uses the distribution the draft sampled from), so a
+  vocabulary cut to the tokens it ever proposes keeps every output exact and makes its
+  vocabulary projection, most of a small draft's step, proportionally cheaper.
   and with `fuse`, projections that read one input stacked into one matmul:
     {encoder,decoder}/layers_i/{attention,self_attention}/qkv_kernel: [emb, 3, heads * head_dim]
       (query, key, value);
@@ -759,22 +775,30 @@ def decode_variables(config: T5Config, params: Any, fuse: bool = True) -> Dict[s
       if len(wi) > 1:
         entry['mlp'] = {'wi_kernel': stack(layer['mlp'], wi)}
       out[stack_name][f'layers_{i}'] = entry
-  if config.logits_via_embedding:
+  if vocabulary_ids is not None:
+    ids = jnp.asarray(vocabulary_ids, jnp.int32)
+    kernel = (jnp.transpose(params['token_embedder']['embedding'])
+              if config.logits_via_embedding else params['decoder']['logits_dense']['kernel'])
+    out['decoder']['logits_kernel'] = jnp.take(kernel, ids, axis=1)
+    out['decoder']['logits_ids'] = ids
+  elif config.logits_via_embedding:
     out['decoder']['logits_kernel'] = jnp.transpose(params['token_embedder']['embedding'])
   return {k: v for k, v in out.items() if v}
 
 
 def decode_variables_logical_axes(config: T5Config, fuse: bool = True) -> Dict[str, Any]:
-  """Logical axis names of `decode_variables(config, ..., fuse)`, in its tree (for shardings).
+  """Logical axis names of every variable `decode_variables(config, ...)` can make (with or
+  without `fuse` and `vocabulary_ids`), in its tree (for shardings).
 
   The stacked axis is never split: a model-parallel shard holds its own heads' query, key and
   value (its own columns of each wi), so a stacked matmul needs no collective.
   """
   params = jax.eval_shape(functools.partial(init_params, config))[0]
-  shapes = jax.eval_shape(functools.partial(decode_variables, config, fuse=fuse), params)
+  shapes = jax.eval_shape(functools.partial(decode_variables, config, fuse=fuse,
+                                            vocabulary_ids=np.zeros(1, np.int32)), params)
   stacked = ('embed', 'stack', 'joined_kv')
   names = {'qkv_kernel': stacked, 'kv_kernel': stacked, 'logits_kernel': ('embed', 'vocab'),
-           'wi_kernel': ('embed', 'mlp_activations', 'mlp')}
+           'wi_kernel': ('embed', 'mlp_activations', 'mlp'), 'logits_ids': ('vocab',)}
   return jax.tree_util.tree_map_with_path(lambda path, _: names[path[-1].key], shapes)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -97,9 +98,11 @@ def load_pair(target: PathLike = EMBEDDED_TARGET, draft: PathLike = EMBEDDED_DRA
     target_config = dataclasses.replace(target_config, dtype=dtype)
     draft_config = dataclasses.replace(draft_config, dtype=dtype)
   params = {'target': target_params, 'draft': draft_params}
-  # Decode-time weight layouts once, not once per batch.
-  params = jax.jit(models.EncoderDecoderModel(
-      target_config, draft_config).with_decode_variables)(params)
+  # Decode-time weight layouts once, not once per batch; the draft's vocabulary if it has one.
+  prepare = functools.partial(models.EncoderDecoderModel(
+      target_config, draft_config).with_decode_variables,
+                              draft_vocabulary=checkpoints.load_draft_vocabulary(draft))
+  params = jax.jit(prepare)(params)
   return Pair(target_config, draft_config, params,
               data.SentencePieceVocabulary(str(vocabulary)))
 

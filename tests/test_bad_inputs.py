@@ -60,6 +60,9 @@ def bad_files(setup, tmp_path_factory):  # noqa: F811
   (root / 'blank.txt').write_text('\n   \n\t\n', encoding='utf-8')
   (root / 'binary.txt').write_bytes(b'Ein Hund\n\xff\xfe\x00\x01 rennt\n')
   (root / 'fields.tsv').write_text('Ein Hund.\tA dog.\textra\n', encoding='utf-8')
+  # A draft whose vocabulary file beside it is not a list of token ids.
+  shutil.copytree(setup / 'draft', root / 'draft')
+  (root / 'draft.vocabulary.json').write_text('{"token_ids": "all"}', encoding='utf-8')
   return root
 
 
@@ -93,6 +96,8 @@ INFER_CASES = {
     'checkpoint of the other model': (None, ['--gin.TARGET_CHECKPOINT_PATH=%DRAFT_CHECKPOINT_PATH'],
                                       [], 'target checkpoint'),
     'unwritable output': (None, [], [], 'not writable'),
+    'malformed draft vocabulary': (None, ["--gin.DRAFT_CHECKPOINT_PATH='{bad}/draft'"], [],
+                                   'draft vocabulary'),
 }
 
 
@@ -105,6 +110,7 @@ def test_infer_bad_input_is_one_error_line(case, setup, bad_files, tmp_path, cap
     output_dir = tmp_path / 'file'
     output_dir.write_text('a file, not a folder')
     output_dir = output_dir / 'out'
+  bindings = [b.replace('{bad}', str(bad_files)) for b in bindings]
   status, err = _run_infer(_infer_args(setup, output_dir, input_file, *bindings,
                                        gin_files=gin_files), capsys)
   _assert_one_error_line(status, err, expected)

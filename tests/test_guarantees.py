@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from speculative_t5x import decoding
+from speculative_t5x import models
+from speculative_t5x import network
 from speculative_t5x import policy
 from conftest import random_model, start_decoding
 from test_decoding import (NUM_SAMPLES, SMALL, SMALL_EOS, SMALL_LEN, _chi_square_p_value,
@@ -35,14 +37,18 @@ def _target_distribution(temperature):
   return _exact_distribution(TARGET, ENC, temperature, 0, 0.0)
 
 
-def _sample(decoder, **kwargs):
-  """NUM_SAMPLES decodes of ENC, one row each, fixed seed: (outputs [rows, length], stats)."""
+def _sample(decoder, draft_vocabulary=None, **kwargs):
+  """NUM_SAMPLES decodes of ENC, one row each, fixed seed: (outputs [rows, length], stats).
+  draft_vocabulary: token ids the draft may propose (`network.decode_variables`)."""
 
   @jax.jit
   def run(rng):
     encs = jnp.repeat(ENC, NUM_SAMPLES, axis=0)
     cache, t2l = start_decoding(*TARGET, encs, SMALL_LEN)
     draft_cache, d2l = start_decoding(*DRAFT, encs, SMALL_LEN)
+    if draft_vocabulary is not None:
+      d2l = models.make_tokens_to_logits(*DRAFT, network.decode_variables(
+          SMALL, DRAFT[1], fuse=False, vocabulary_ids=draft_vocabulary))
     inputs = jnp.zeros((NUM_SAMPLES, SMALL_LEN), jnp.int32)
     return decoder(inputs, cache, t2l, draft_cache, d2l, SMALL_EOS, decode_rng=rng,
                    return_stats=True, **kwargs)
@@ -90,6 +96,19 @@ def test_lenience_below_one_is_lossy_and_one_is_exact(lenience):
     assert 0.2 < alpha < 0.8  # a draft that differs from the target, so the test has teeth
   else:
     assert p_value < DIFFERENT, f'lenience {lenience} gives the target\'s distribution'
+
+
+def test_a_draft_with_a_cut_vocabulary_samples_the_target():
+  """A draft restricted to tokens 0-3 of 6 never proposes 4 or 5, which the target emits on its
+  own: speculative sampling stays the target's sampler (the acceptance uses the distribution
+  the draft sampled from)."""
+  samples, stats = _sample(decoding.speculative_sample, draft_vocabulary=np.arange(4),
+                           temperature=1.0, gamma=2)
+  p_value = _p_value(samples, 1.0)
+  print(f'speculative sampling, draft vocabulary 0-3: p={p_value:.3g}, '
+        f'alpha={stats.accepted / stats.proposed:.3f}')
+  assert p_value > SAME, 'a draft with a cut vocabulary changes the output distribution'
+  assert np.isin(samples, [4, 5]).any()  # the tokens the draft cannot propose still come out
 
 
 def test_sampling_through_the_policy_samples_the_target():

@@ -11,6 +11,7 @@ from flax import serialization
 from flax.traverse_util import flatten_dict
 
 from speculative_t5x import checkpoints
+from speculative_t5x import data
 from speculative_t5x import network
 from conftest import ragged_tokens, tiny_config, random_model, start_decoding
 
@@ -193,6 +194,35 @@ def test_stacked_projections_equal_separate_ones(overrides):
   assert ('mlp' in fused) == (len(cfg.mlp_activations) > 1)
   for got, want in zip(jax.tree_util.tree_leaves(run(True)), jax.tree_util.tree_leaves(run(False))):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_a_cut_vocabulary_masks_the_other_tokens(tied):
+  """decode_variables(vocabulary_ids=...): the logits of those tokens unchanged, every other
+  token at MASK_BIAS (a draft that never proposes them)."""
+  cfg = tiny_config(logits_via_embedding=tied)
+  module, params = random_model(cfg, seed=9)
+  enc = ragged_tokens(jax.random.PRNGKey(5), 2, 6, cfg.vocab_size)
+  cache, _ = start_decoding(module, params, enc, 8)
+  tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 2), 2, cfg.vocab_size)
+  ids = np.array([0, 1, 5, 17, 40])
+
+  def logits(vocabulary_ids):
+    variables = {'params': params, network.DECODE_COLLECTION: network.decode_variables(
+        cfg, params, fuse=False, vocabulary_ids=vocabulary_ids)}
+    return np.asarray(module.apply(variables, tokens, cache,
+                                   method=network.Transformer.decode_step)[0])
+
+  full, cut = logits(None), logits(ids)
+  np.testing.assert_allclose(cut[..., ids], full[..., ids], atol=1e-5)
+  others = np.setdiff1d(np.arange(cfg.vocab_size), ids)
+  assert (cut[..., others] == network.MASK_BIAS).all()
+
+
+def test_the_embedded_draft_has_its_vocabulary():
+  ids = checkpoints.load_draft_vocabulary(data.EMBEDDED_DRAFT)
+  assert ids is not None and 3000 < ids.size < 8000 and {0, 1, 2} <= set(ids.tolist())
+  assert checkpoints.load_draft_vocabulary(data.EMBEDDED_TARGET) is None
 
 
 def test_float32_logits_option():

@@ -54,7 +54,7 @@ def wheel(tmp_path_factory):
 def test_wheel_carries_models_vocabulary_configs_and_sample(wheel):
   names = set(wheel.namelist())
   shipped = {}  # name in the wheel -> file in the clone
-  for pattern in ('pretrained/*.msgpack', 'vocab/*.model', 'samples/*.txt'):
+  for pattern in ('pretrained/*.msgpack', 'pretrained/*.json', 'vocab/*.model', 'samples/*.txt'):
     found = list(PACKAGE.glob(pattern))
     assert found, pattern
     shipped.update({path.relative_to(REPO).as_posix(): path for path in found})
