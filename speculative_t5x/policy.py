@@ -291,7 +291,7 @@ class DecodingPolicy:
     tried = {c: r for c, r in self.records.items() if r.batches}
     return {'setting': self.setting, 'fallback': _json(self.fallback), 'best': _json(self.best()),
             'fallback_only': list(tried) == [self.fallback],
-            'exploration_share': round(self.excess_ms / self.total_ms, 4),
+            'exploration_share': round(self.excess_ms / max(self.total_ms, 1e-9), 4),
             'measured': {str(_json(c)): {'batches': r.batches,
                                          'ms_per_position': round(r.cost, 4)}
                          for c, r in tried.items()}}
