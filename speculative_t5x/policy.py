@@ -268,7 +268,8 @@ class DecodingPolicy:
       best = max(surely, key=lambda c: advantages[c][0])
       self.records[self.current].interval = self.explore_every
       self.current = best
-    elif choice != self.current and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
+    elif choice in advantages and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
+      # (A multi-host job runs process 0's choice, which need not neighbour this process's.)
       record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
 
   def decode(self, run: Callable[[Any], Any], prepare: Optional[Callable[[Any], Any]] = None
