@@ -229,3 +229,20 @@ def summarize_loops(loops: List[Dict[str, Any]]) -> Mapping[str, Any]:
   return {'outer': outer['collectives'],
           'inner': inner['collectives'] if inner else {},
           'big_copies': sum(len(l['big_copies']) for l in loops)}
+
+
+def peak_values(dump_dir: Path, module: str = 'jit_predict') -> List[Dict[str, Any]]:
+  """The buffers live at the peak of a program's temporaries, largest first, from an XLA dump
+  (`XLA_FLAGS=--xla_dump_to=DIR`: its buffer-assignment and live-range files): name, bytes and
+  shape of each value. What the memory analysis calls temporaries is this set's total."""
+  dump_dir = Path(dump_dir)
+  assignment = next(dump_dir.glob(f'*{module}*after_optimizations-buffer-assignment.txt'))
+  live = next(dump_dir.glob(f'*{module}*after_optimizations-live-range.txt')).read_text()
+  peak = live[live.index('(peak):'):].splitlines()[1:]
+  names = {line.strip().split('{')[0] for line in peak if line.startswith('    ')}
+  values = {}
+  for name, size, shape in re.findall(r'value: <\d+ ([^ ]+) @[\d{},]+> \(size=(\d+),offset=\d+\)'
+                                      r': (\S+)', assignment.read_text()):
+    if name in names:
+      values[name] = {'name': name, 'bytes': int(size), 'shape': shape.split('{')[0]}
+  return sorted(values.values(), key=lambda v: -v['bytes'])

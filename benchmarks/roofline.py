@@ -105,8 +105,12 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def project(block: Mapping[str, Any], hw: Mapping[str, float], alpha: float, gamma: int,
             placement: str, t5x_step: Optional[Mapping[str, Any]] = None) -> Dict[str, float]:
   """Step times (ms) and speedups of one block on `hw` at acceptance alpha and gamma."""
-  group = block['mesh'][1]
+  # The loop's collectives run over 'model' (tensor parallelism); on a mesh without it, over
+  # 'data' (the per-row cache writes: see docs/scale.md).
+  group = block['mesh'][1] if block['mesh'][1] > 1 else block['mesh'][0]
   steps = block['steps']
+  if f'draft_{placement}' not in steps:  # a mesh without 'model': one placement compiled
+    placement = next(k for k in steps if k.startswith('draft_'))[len('draft_'):]
   draft = steps[f'draft_{placement}']
   memory = block.get('step_memory', {})
   target_bytes = read_bytes(memory.get('target'))

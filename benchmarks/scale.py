@@ -262,15 +262,17 @@ def block(size: str, mesh_shape: Tuple[int, int], batch: int, output_length: int
   shapes = abstract_batch(batch, args.input_length, output_length)
   programs = {'target-only': predict_program(base, mesh, params, shapes,
                                              partitioning.DRAFT_SHARDED, big)}
+  # On a mesh without a 'model' axis both placements are the same program: compiled once.
+  placements = args.placements if mesh_shape[1] > 1 else args.placements[:1]
   for gamma in args.gammas:
-    for placement in args.placements:
+    for placement in placements:
       programs[f'gamma={gamma} draft={placement}'] = predict_program(
           decoder(target, draft, gamma), mesh, params, shapes, placement, big)
   steps = {'target': {str(k): step_program(target, params['target'], params['decode']['target'],
                                            caches['target'], mesh, rules[PLACEMENTS[0]]['target'],
                                            k)
                       for k in step_ks(args.gammas, args.projection_gammas)}}
-  for placement in args.placements:
+  for placement in placements:
     steps[f'draft_{placement}'] = {
         str(k): step_program(draft, params['draft'], params['decode']['draft'], caches['draft'],
                              mesh, rules[placement]['draft'], k) for k in (1, 2)}
