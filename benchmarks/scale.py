@@ -467,7 +467,8 @@ def collective_rows(results: Mapping[str, Any]) -> List[List[str]]:
     t = t5x.get(key, {}).get('program', {}).get('loops', {})
     cells.append(roofline.collective_text(t.get('outer', {})) if t else '')
     copies = sum(len(p['big_copies']) for p in progs.values())
-    rows.append(cells + [str(copies)])
+    converts = progs['target-only']['loops'].get('big_converts', {}).get('outer', '')
+    rows.append(cells + [str(copies), str(converts)])
   return rows
 
 
@@ -513,7 +514,9 @@ def markdown(results: Mapping[str, Any]) -> str:
                          ["T5X arguments", "T5X temporaries"], memory_rows(results)) + ['']
   lines += ['## Collectives per loop iteration (count, result bytes)', '',
             'Speculative: outer body + (γ - 1) x the draft loop body = one iteration.', '']
-  lines += harness.table(['block', 'target-only'] + spec + ["T5X's loop", 'cache-sized copies'],
+  lines += harness.table(['block', 'target-only'] + spec +
+                         ["T5X's loop", 'cache-sized copies (all loops)',
+                          'cache-sized dtype converts per target-only step'],
                          collective_rows(results)) + ['']
   target_ks = [k for k in sorted(first['steps']['target'], key=int) if k != '1']
   lines += ['## Step programs: GFLOP / MB accessed per device; collectives; compile seconds', '']
