@@ -23,7 +23,6 @@ import argparse
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import compiled as xla

@@ -41,7 +41,6 @@ if 'jax' not in sys.modules:  # the device count must be set before JAX starts
                              ' --xla_force_host_platform_device_count=8').strip()
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
-import functools
 import json
 import subprocess
 from pathlib import Path
