@@ -11,7 +11,8 @@ both loops whole (target-only greedy, greedy speculative at each --gammas; every
 all positions: no EOS), round-robin over --rounds. Beside each step: its roofline projection
 (`benchmarks.roofline.step_seconds` from the step program's own cost analysis on this backend
 and the --hardware entry of `roofline.HARDWARE`, detected from the device kind); beside each
-speculative loop: the time its measured steps predict (target calls x (draft steps + verify)).
+speculative loop: the time its measured steps predict (target calls x (draft steps + verify)),
+and the cache-sized copies and dtype conversions inside its compiled loop bodies on this backend.
 Random weights accept few draft tokens, so the loops check the cost model, not the speedup.
 The default sweep fits in about 10 minutes on one H100-class GPU (compilation included).
 """
@@ -22,9 +23,9 @@ import argparse
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import compiled as xla
 from benchmarks import harness
 from benchmarks import roofline
 from benchmarks.harness import Setting
@@ -85,10 +86,18 @@ def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], r
   compiled = {s.name: harness.compile_setting(s, pair, batches, eos_id=-1) for s in settings}
   outputs = harness.warm({n: c.one_pass for n, c in compiled.items()})
   times = policy.round_robin({n: c.one_pass for n, c in compiled.items()}, rounds)
+  # One self-attention cache layer of the target: a copy or conversion this large inside a
+  # loop body is a cache-sized one (on XLA:CPU, bfloat16 caches are converted around updates).
+  config = pair.configs['target']
+  layer = batch * config.num_heads * config.head_dim * shapes[1] * np.dtype(config.dtype).itemsize
   out = {}
   for setting in settings:
+    c = compiled[setting.name]
+    text = c.predictor.compile(None, batches[0], c.rngs[0]).as_text()
+    loops_seen = xla.summarize_loops(xla.loop_report(text, layer))
     row = {'ms_per_pass': harness.ms_per(times[setting.name], 1),
-           'compile_s': compiled[setting.name].info()['compile_s']}
+           'compile_s': c.info()['compile_s'], 'cache_sized_copies': loops_seen['big_copies'],
+           'cache_sized_converts': loops_seen['big_converts']}
     stats = harness.collect(outputs[setting.name], batch)['stats']
     if stats:
       row.update(target_calls=int(np.max(stats['target_calls'])),
@@ -133,9 +142,11 @@ def markdown(results: Mapping[str, Any]) -> str:
           f"{s['flops'] / 1e9:.3f}", f"{s['bytes_accessed'] / 1e6:.1f}"]
          for name, widths in b['steps'].items() for k, s in widths.items()]) + ['']
     lines += harness.table(
-        ('loop', 'ms per pass', 'predicted from steps ms', 'target calls', 'accepted', 'compile s'),
+        ('loop', 'ms per pass', 'predicted from steps ms', 'target calls', 'accepted',
+         'compile s', 'cache-sized copies / converts in loop bodies'),
         [[name, f"{r['ms_per_pass']:.1f}", harness.fmt(r.get('predicted_ms'), '.1f'),
-          str(r.get('target_calls', '')), str(r.get('accepted', '')), f"{r['compile_s']:.0f}"]
+          str(r.get('target_calls', '')), str(r.get('accepted', '')), f"{r['compile_s']:.0f}",
+          f"{r['cache_sized_copies']} / {r['cache_sized_converts']}"]
          for name, r in b['loops'].items()]) + ['']
   return '\n'.join(lines)
 

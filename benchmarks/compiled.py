@@ -142,16 +142,21 @@ def _split_tuple(shape: str) -> List[str]:
 def loop_report(text: str, big_bytes: int) -> List[Dict[str, Any]]:
   """Per while loop of a compiled module: its collectives per iteration (the body alone, nested
   loops apart), copies of at least `big_bytes` (e.g. one cache layer's shard) inside the body,
-  and the in-place dynamic-update-slices/scatters it runs."""
+  and how many dtype conversions of that size it runs."""
   module = Module.parse(text)
   out = []
   for name, body in module.whiles():
     own = module.instructions(body)
     big = [i for i in own if i.opcode in ('copy', 'copy-start') and i.bytes >= big_bytes]
+    # Cache-sized dtype conversions: XLA:CPU computes bfloat16 scatters and dots in float32, so
+    # it converts each cache layer up and back around its in-place update.
+    converts = [i for i in own if i.bytes >= big_bytes and (
+        i.opcode == 'convert' or (i.opcode == 'fusion' and i.name.startswith('wrapped_convert')))]
     out.append({'while': name, 'body': body,
                 'nested': [b for _, b in module.whiles(body)],
                 'collectives': collectives(own),
                 'big_copies': [{'name': i.name, 'shape': i.shape, 'bytes': i.bytes} for i in big],
+                'big_converts': len(converts),
                 'instructions': len(own)})
   return out
 
@@ -228,4 +233,23 @@ def summarize_loops(loops: List[Dict[str, Any]]) -> Mapping[str, Any]:
   inner = next((l for l in loops[1:] if l['body'] in outer['nested']), None)
   return {'outer': outer['collectives'],
           'inner': inner['collectives'] if inner else {},
-          'big_copies': sum(len(l['big_copies']) for l in loops)}
+          'big_copies': sum(len(l['big_copies']) for l in loops),
+          'big_converts': {'outer': outer['big_converts'],
+                           'inner': inner['big_converts'] if inner else 0}}
+
+
+def peak_values(dump_dir: Path, module: str = 'jit_predict') -> List[Dict[str, Any]]:
+  """The buffers live at the peak of a program's temporaries, largest first, from an XLA dump
+  (`XLA_FLAGS=--xla_dump_to=DIR`: its buffer-assignment and live-range files): name, bytes and
+  shape of each value. What the memory analysis calls temporaries is this set's total."""
+  dump_dir = Path(dump_dir)
+  assignment = next(dump_dir.glob(f'*{module}*after_optimizations-buffer-assignment.txt'))
+  live = next(dump_dir.glob(f'*{module}*after_optimizations-live-range.txt')).read_text()
+  peak = live[live.index('(peak):'):].splitlines()[1:]
+  names = {line.strip().split('{')[0] for line in peak if line.startswith('    ')}
+  values = {}
+  for name, size, shape in re.findall(r'value: <\d+ ([^ ]+) @[\d{},]+> \(size=(\d+),offset=\d+\)'
+                                      r': (\S+)', assignment.read_text()):
+    if name in names:
+      values[name] = {'name': name, 'bytes': int(size), 'shape': shape.split('{')[0]}
+  return sorted(values.values(), key=lambda v: -v['bytes'])

@@ -105,8 +105,12 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def project(block: Mapping[str, Any], hw: Mapping[str, float], alpha: float, gamma: int,
             placement: str, t5x_step: Optional[Mapping[str, Any]] = None) -> Dict[str, float]:
   """Step times (ms) and speedups of one block on `hw` at acceptance alpha and gamma."""
-  group = block['mesh'][1]
+  # The loop's collectives run over 'model' (tensor parallelism); on a mesh without it, over
+  # 'data' (the per-row cache writes: see docs/scale.md).
+  group = block['mesh'][1] if block['mesh'][1] > 1 else block['mesh'][0]
   steps = block['steps']
+  if f'draft_{placement}' not in steps:  # a mesh without 'model': one placement compiled
+    placement = next(k for k in steps if k.startswith('draft_'))[len('draft_'):]
   draft = steps[f'draft_{placement}']
   memory = block.get('step_memory', {})
   target_bytes = read_bytes(memory.get('target'))
@@ -116,7 +120,14 @@ def project(block: Mapping[str, Any], hw: Mapping[str, float], alpha: float, gam
   draft_1 = step_seconds(draft['1'], group, hw, draft_bytes)
   iteration = step_seconds(draft['2'], group, hw, draft_bytes) + (gamma - 1) * draft_1 + verify
   per_token = iteration / expected_tokens(alpha, gamma)
-  out = {'target_1_ms': 1e3 * target_1, 'verify_ms': 1e3 * verify, 'draft_ms': 1e3 * draft_1,
+  held = block.get('per_device', {})
+  # Parameters of both models and both caches must fit the chip (temporaries come on top).
+  resident = (held.get('params', {}).get('target', 0) +
+              held.get('params', {}).get(f'draft_{placement}', 0) +
+              held.get('cache', {}).get('target', 0) +
+              held.get('cache', {}).get(f'draft_{placement}', 0))
+  out = {'fits': resident <= hw['hbm_bytes'],
+         'target_1_ms': 1e3 * target_1, 'verify_ms': 1e3 * verify, 'draft_ms': 1e3 * draft_1,
          'c': draft_1 / target_1, 'speculative_ms_per_token': 1e3 * per_token,
          'speedup': target_1 / per_token}
   if t5x_step is not None:
@@ -139,7 +150,8 @@ def table_rows(blocks: Mapping[str, Mapping[str, Any]], t5x: Mapping[str, Any],
         if str(gamma + 1) not in block['steps']['target']:
           continue
         p = project(block, hw, alpha, gamma, placement, t5x_step)
-        rows.append([key, name, str(gamma), f"{p['target_1_ms']:.3f}", f"{p['verify_ms']:.3f}",
+        rows.append([key, name + ('' if p['fits'] else ' (does not fit)'), str(gamma),
+                     f"{p['target_1_ms']:.3f}", f"{p['verify_ms']:.3f}",
                      f"{p['draft_ms']:.3f}", f"{p['c']:.2f}", f"{p['speedup']:.2f}x",
                      f"{p['t5x_ms']:.3f}" if 't5x_ms' in p else '',
                      f"{p['speedup_vs_t5x']:.2f}x" if 'speedup_vs_t5x' in p else ''])

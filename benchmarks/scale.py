@@ -41,7 +41,6 @@ if 'jax' not in sys.modules:  # the device count must be set before JAX starts
                              ' --xla_force_host_platform_device_count=8').strip()
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
-import functools
 import json
 import subprocess
 from pathlib import Path
@@ -262,15 +261,17 @@ def block(size: str, mesh_shape: Tuple[int, int], batch: int, output_length: int
   shapes = abstract_batch(batch, args.input_length, output_length)
   programs = {'target-only': predict_program(base, mesh, params, shapes,
                                              partitioning.DRAFT_SHARDED, big)}
+  # On a mesh without a 'model' axis both placements are the same program: compiled once.
+  placements = args.placements if mesh_shape[1] > 1 else args.placements[:1]
   for gamma in args.gammas:
-    for placement in args.placements:
+    for placement in placements:
       programs[f'gamma={gamma} draft={placement}'] = predict_program(
           decoder(target, draft, gamma), mesh, params, shapes, placement, big)
   steps = {'target': {str(k): step_program(target, params['target'], params['decode']['target'],
                                            caches['target'], mesh, rules[PLACEMENTS[0]]['target'],
                                            k)
                       for k in step_ks(args.gammas, args.projection_gammas)}}
-  for placement in args.placements:
+  for placement in placements:
     steps[f'draft_{placement}'] = {
         str(k): step_program(draft, params['draft'], params['decode']['draft'], caches['draft'],
                              mesh, rules[placement]['draft'], k) for k in (1, 2)}
@@ -465,7 +466,8 @@ def collective_rows(results: Mapping[str, Any]) -> List[List[str]]:
     t = t5x.get(key, {}).get('program', {}).get('loops', {})
     cells.append(roofline.collective_text(t.get('outer', {})) if t else '')
     copies = sum(len(p['big_copies']) for p in progs.values())
-    rows.append(cells + [str(copies)])
+    converts = progs['target-only']['loops'].get('big_converts', {}).get('outer', '')
+    rows.append(cells + [str(copies), str(converts)])
   return rows
 
 
@@ -511,7 +513,9 @@ def markdown(results: Mapping[str, Any]) -> str:
                          ["T5X arguments", "T5X temporaries"], memory_rows(results)) + ['']
   lines += ['## Collectives per loop iteration (count, result bytes)', '',
             'Speculative: outer body + (γ - 1) x the draft loop body = one iteration.', '']
-  lines += harness.table(['block', 'target-only'] + spec + ["T5X's loop", 'cache-sized copies'],
+  lines += harness.table(['block', 'target-only'] + spec +
+                         ["T5X's loop", 'cache-sized copies (all loops)',
+                          'cache-sized dtype converts per target-only step'],
                          collective_rows(results)) + ['']
   target_ks = [k for k in sorted(first['steps']['target'], key=int) if k != '1']
   lines += ['## Step programs: GFLOP / MB accessed per device; collectives; compile seconds', '']

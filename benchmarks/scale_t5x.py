@@ -33,7 +33,6 @@ import flax
 from flax.linen import partitioning as flax_partitioning
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

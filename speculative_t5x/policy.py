@@ -268,7 +268,8 @@ class DecodingPolicy:
       best = max(surely, key=lambda c: advantages[c][0])
       self.records[self.current].interval = self.explore_every
       self.current = best
-    elif choice != self.current and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
+    elif choice in advantages and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
+      # (A multi-host job runs process 0's choice, which need not neighbour this process's.)
       record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
 
   def decode(self, run: Callable[[Any], Any], prepare: Optional[Callable[[Any], Any]] = None
@@ -291,7 +292,7 @@ class DecodingPolicy:
     tried = {c: r for c, r in self.records.items() if r.batches}
     return {'setting': self.setting, 'fallback': _json(self.fallback), 'best': _json(self.best()),
             'fallback_only': list(tried) == [self.fallback],
-            'exploration_share': round(self.excess_ms / self.total_ms, 4),
+            'exploration_share': round(self.excess_ms / max(self.total_ms, 1e-9), 4),
             'measured': {str(_json(c)): {'batches': r.batches,
                                          'ms_per_position': round(r.cost, 4)}
                          for c, r in tried.items()}}

@@ -21,6 +21,7 @@ from speculative_t5x import infer
 from speculative_t5x import inputs
 from speculative_t5x import models
 from speculative_t5x import network
+from speculative_t5x import policy
 from conftest import data_dir
 from fast_params import random_params
 import infer_hooks
@@ -199,8 +200,11 @@ def test_input_length_step_keeps_the_predictions(setup, tmp_path):
   assert len(widths) > 1, widths  # the job met several widths
 
 
-def test_beam_size_reaches_the_decoder(setup, tmp_path):
+def test_beam_size_reaches_the_decoder(setup, tmp_path, monkeypatch):
   """num_decodes is the beam size; the job writes each example's best beam (exact decoders)."""
+  # An untried tree counts as free to explore, so that this 8-example job tries one (the
+  # budget would otherwise keep a short job on beam_search) and each example records its own.
+  monkeypatch.setattr(policy, 'PRIOR_SLOWDOWN', 0.0)
   source = tmp_path / 'in.txt'
   source.write_text('\n'.join(_german_lines(8)) + '\n', encoding='utf-8')
   outputs = {}

@@ -116,6 +116,16 @@ def test_a_short_job_runs_the_fallback_and_says_so():
   assert _run_job(fixed, clock, {None: 1.0}, batches=3) == [None] * 3
 
 
+def test_a_choice_that_is_not_a_neighbour_is_recorded():
+  """A multi-host job runs process 0's choice, which another process's policy may not have
+  reached: it is recorded like any batch."""
+  decoding_policy = _gamma_policy(FakeClock())
+  decodes = np.full((1, 4), 5, np.int32)
+  decoding_policy.observe(1, 0.01, decodes)
+  decoding_policy.observe(4, 0.01, decodes)  # gamma 4: not a neighbour of the running gamma 1
+  assert decoding_policy.records[4].batches == 1 and decoding_policy.best() == 1
+
+
 def test_output_positions_is_the_longest_output():
   decodes = np.array([[5, 6, 1, 0], [5, 1, 0, 0]])
   assert policy.output_positions(decodes) == 3

@@ -138,5 +138,7 @@ def test_accelerator_script_on_cpu(tmp_path: pathlib.Path):
   loops = block['loops']
   assert set(loops) == {'target-only T=0', 'speculative gamma=1 T=0'}
   assert loops['speculative gamma=1 T=0']['predicted_ms'] > 0
+  for row in loops.values():  # read from the loops' own compiled programs on this backend
+    assert row['cache_sized_copies'] == 0 and row['cache_sized_converts']['outer'] >= 0
   markdown = (tmp_path / 'accelerator.md').read_text()
   assert markdown.startswith('# Accelerator') and 'python -m benchmarks.accelerator' in markdown
