@@ -83,7 +83,8 @@ TIED = tiny_config(logits_via_embedding=True, mlp_activations=('relu',))
 def test_decode_variables_give_the_same_logits(config):
   module, params = random_model(config, seed=4)
   variables = network.decode_variables(config, params)
-  assert bool(variables.get('decoder')) == config.logits_via_embedding
+  assert ('logits_kernel' in variables['decoder']) == config.logits_via_embedding
+  assert 'qkv_kernel' in variables['decoder']['layers_0']['self_attention']  # stacked
   enc = ragged_tokens(jax.random.PRNGKey(5), 3, 7, config.vocab_size)
   encoded = module.apply({'params': params}, enc, method=network.Transformer.encode)
   cache = module.apply({'params': params}, encoded, enc, MAX_LEN,
