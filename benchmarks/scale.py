@@ -41,6 +41,7 @@ if 'jax' not in sys.modules:  # the device count must be set before JAX starts
                              ' --xla_force_host_platform_device_count=8').strip()
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -87,7 +88,9 @@ def abstract_params(target: network.T5Config, draft: network.T5Config, dtype: st
   model = models.EncoderDecoderModel(target, draft)
   params = jax.eval_shape(lambda: {'target': network.init_params(target)[0],
                                    'draft': network.init_params(draft)[0]})
-  params = jax.eval_shape(model.with_decode_variables, params)
+  # As an accelerator prepares them: no stacked projections (their default on a CPU backend,
+  # which these fake devices are, would add copies an accelerator job does not make).
+  params = jax.eval_shape(functools.partial(model.with_decode_variables, fuse=False), params)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), params)
 
 
