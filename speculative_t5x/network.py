@@ -259,6 +259,23 @@ def to_attention_layout(key: Array, value: Array) -> Tuple[Array, Array]:
   return jnp.transpose(key, (0, 2, 3, 1)), jnp.transpose(value, (0, 2, 1, 3))
 
 
+def _write_rows(cache: Array, new: Array, positions: Array, axis: int) -> Array:
+  """cache [batch, ...] with each row's new entries [batch, q, heads, head_dim] written at its
+  own positions [batch, q] along `axis` (positions past the cache are dropped).
+
+  Written per row (a vmap): the batch is then a batching dimension of the scatter, which a
+  data-parallel mesh updates shard by shard; indexing the rows instead makes the partitioner
+  gather every row's update on every device.
+  """
+  def one_row(row_cache, row_new, row_positions):  # [..., length, ...], [q, heads, head_dim]
+    index = (slice(None),) * (axis - 1) + (row_positions,)
+    # One index array among slices keeps its axis in place: the entries in the cache's order.
+    entries = jnp.moveaxis(row_new, 0, axis - 1)
+    return row_cache.at[index].set(entries.astype(row_cache.dtype), mode='drop')
+
+  return jax.vmap(one_row)(cache, new, positions)
+
+
 class MultiHeadAttention(nn.Module):
   """Dot-product attention with T5X's projections (no 1/sqrt(d): folded into the query init)."""
   num_heads: int
@@ -417,11 +434,8 @@ class DecoderLayer(nn.Module):
       key, value = to_attention_layout(key, value)
     else:
       cached_key, cached_value, positions = self_cache
-      rows = jnp.arange(x.shape[0])[:, None]
-      # Both scatters index [batch, q, heads, head_dim] slices, the projections' own layout.
-      key = cached_key.at[rows, :, :, positions].set(key.astype(cached_key.dtype), mode='drop')
-      value = cached_value.at[rows, :, positions].set(value.astype(cached_value.dtype),
-                                                      mode='drop')
+      key = _write_rows(cached_key, key, positions, KEY_LAYOUT.index('length'))
+      value = _write_rows(cached_value, value, positions, VALUE_LAYOUT.index('length'))
       new_cache = (key, value)
     h = self.self_attention.attend(query, key, value, self_bias, deterministic)
     x = x + self.dropout(h, deterministic=deterministic)
