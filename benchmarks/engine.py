@@ -6,10 +6,11 @@ Three preparations of the same embedded pair (`network.decode_variables`), each 
 change to the one before:
   separate: the tied logits kernel pre-transposed, every projection its own matmul (the engine
     before the changes);
-  stacked: also q/k/v, the cross-attention k/v and the gated MLP's wi_0/wi_1 stacked into one
-    matmul each (encoder and decoder);
   draft vocabulary: also the draft's logits over the tokens it may propose only (the embedded
-    draft's `checkpoints.load_draft_vocabulary`).
+    draft's `checkpoints.load_draft_vocabulary`; what `pipeline.load_pair` and the infer job
+    prepare);
+  stacked: also q/k/v, the cross-attention k/v and the gated MLP's wi_0/wi_1 stacked into one
+    matmul each, encoder and decoder (`with_decode_variables(fuse=True)`).
 Per batch size, for each: the compiled while body of the target's 1-token and (gamma+1)-token
 steps and the draft's 1-token step (top-level HLO instructions: fusions, library matmuls,
 copies); those steps' times inside a jitted loop (`harness.step_loop`), the draft's cost ratio
@@ -38,7 +39,7 @@ from speculative_t5x import pipeline
 from speculative_t5x import policy
 
 NAME = 'engine'
-LAYOUTS = ('separate', 'stacked', 'draft vocabulary')
+LAYOUTS = ('separate', 'draft vocabulary', 'stacked')
 STEPS_PER_CALL = 16
 # The instruction kinds reported per step (the others are bookkeeping: parameters, tuples).
 KINDS = ('fusion', 'dot', 'copy')
@@ -60,8 +61,8 @@ def layouts(pair: pipeline.Pair) -> Dict[str, pipeline.Pair]:
   """{layout: the pair prepared so} (module docstring)."""
   vocabulary = checkpoints.load_draft_vocabulary(pipeline.EMBEDDED_DRAFT)
   return {'separate': harness.with_layouts(pair, False),
-          'stacked': harness.with_layouts(pair, True),
-          'draft vocabulary': harness.with_layouts(pair, True, vocabulary)}
+          'draft vocabulary': harness.with_layouts(pair, False, vocabulary),
+          'stacked': harness.with_layouts(pair, True, vocabulary)}
 
 
 def step_passes(pairs: Mapping[str, pipeline.Pair], batch: int, verify_k: int

@@ -135,18 +135,15 @@ class EncoderDecoderModel:
         out['params_axes'][name] = variables['params_axes']
     return out
 
-  def with_decode_variables(self, params: Params, fuse: Optional[bool] = None,
+  def with_decode_variables(self, params: Params, fuse: bool = False,
                             draft_vocabulary: Optional[Any] = None) -> Dict[str, Any]:
     """`params` plus 'decode': each model's `network.decode_variables`, for repeated predicts.
 
-    fuse: with the stacked projections; default: on a CPU backend only. XLA:CPU runs every
-      matmul as a kernel of its own; on an accelerator the copies' memory (about two thirds
-      of the weights) is certain and the gain unmeasured.
+    fuse: with the stacked projections (measured neutral on a 2-core CPU, `benchmarks.engine`,
+      and they cost a copy of two thirds of the weights: off unless asked for).
     draft_vocabulary: optional token ids the draft may propose (`network.decode_variables`'
       `vocabulary_ids`; outputs stay exact), e.g. `checkpoints.load_draft_vocabulary(path)`.
     """
-    if fuse is None:
-      fuse = jax.default_backend() == 'cpu'
     out = {}
     for name, module in (('target', self.module), ('draft', self.draft_module)):
       if module is not None and name in params:

@@ -750,7 +750,7 @@ class Transformer(nn.Module):
     return self.decoder.tree_step(tokens, cache, tree_depths, tree_mask)
 
 
-def decode_variables(config: T5Config, params: Any, fuse: bool = True,
+def decode_variables(config: T5Config, params: Any, fuse: bool = False,
                      vocabulary_ids: Optional[Any] = None) -> Dict[str, Any]:
   """Predict-time copies of parameters in the layouts the encoder and the cached decoder step
   read fastest.
@@ -803,7 +803,7 @@ def decode_variables(config: T5Config, params: Any, fuse: bool = True,
   return {k: v for k, v in out.items() if v}
 
 
-def decode_variables_logical_axes(config: T5Config, fuse: bool = True) -> Dict[str, Any]:
+def decode_variables_logical_axes(config: T5Config) -> Dict[str, Any]:
   """Logical axis names of every variable `decode_variables(config, ...)` can make (with or
   without `fuse` and `vocabulary_ids`), in its tree (for shardings).
 
@@ -811,7 +811,7 @@ def decode_variables_logical_axes(config: T5Config, fuse: bool = True) -> Dict[s
   value (its own columns of each wi), so a stacked matmul needs no collective.
   """
   params = jax.eval_shape(functools.partial(init_params, config))[0]
-  shapes = jax.eval_shape(functools.partial(decode_variables, config, fuse=fuse,
+  shapes = jax.eval_shape(functools.partial(decode_variables, config, fuse=True,
                                             vocabulary_ids=np.zeros(1, np.int32)), params)
   stacked = ('embed', 'stack', 'joined_kv')
   names = {'qkv_kernel': stacked, 'kv_kernel': stacked, 'logits_kernel': ('embed', 'vocab'),

@@ -82,7 +82,7 @@ TIED = tiny_config(logits_via_embedding=True, mlp_activations=('relu',))
 @pytest.mark.parametrize('config', [CFG, TIED], ids=['untied', 'tied'])
 def test_decode_variables_give_the_same_logits(config):
   module, params = random_model(config, seed=4)
-  variables = network.decode_variables(config, params)
+  variables = network.decode_variables(config, params, fuse=True)
   assert ('logits_kernel' in variables['decoder']) == config.logits_via_embedding
   assert 'qkv_kernel' in variables['decoder']['layers_0']['self_attention']  # stacked
   enc = ragged_tokens(jax.random.PRNGKey(5), 3, 7, config.vocab_size)

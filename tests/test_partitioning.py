@@ -209,7 +209,7 @@ def test_decode_variables_are_sharded_like_the_embedding():
   model = models.EncoderDecoderModel(tied, tiny_config(num_decoder_layers=1), eos_id=1)
   params = jax.eval_shape(lambda: {'target': network.init_params(tied)[0],
                                    'draft': network.init_params(model.draft_config)[0]})
-  params = jax.eval_shape(model.with_decode_variables, params)
+  params = jax.eval_shape(lambda p: model.with_decode_variables(p, fuse=True), params)
   shardings = partitioning.pair_shardings(model, partitioning.create_mesh(), params=params)
   assert shardings['target']['token_embedder']['embedding'].spec == P('model',)  # [vocab, embed]
   assert shardings['decode']['target']['decoder']['logits_kernel'].spec == P(None, 'model')
