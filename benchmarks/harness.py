@@ -583,7 +583,10 @@ def beam_row(setting: Setting, stats: Mapping[str, np.ndarray],
   step-cost prediction (steps per call x a beam_search step / (draft levels + tree verify)).
 
   stats are per example: `emitted` counts beam steps, `proposed` tree nodes below the roots.
+  None of them when no batch ran a tree (branching='auto' that kept to beam_search).
   """
+  if 'target_calls' not in stats:
+    return {}
   levels = tree_levels(setting.tree)
   calls = max(int(stats['target_calls'].sum()), 1)
   steps_per_call = int(stats['emitted'].sum()) / calls
