@@ -280,7 +280,8 @@ def block_markdown(batch_size: str, block: Mapping[str, Any], meta: Mapping[str,
            '']
   lines += harness.table(MAIN_COLUMNS, [main_row(r) for r in block['rows']]) + ['']
   lines += [harness.auto_note(r) for r in block['rows'] if 'gammas_used' in r]
-  beams = [r for r in block['rows'] if r['method'] == 'speculative_beam' and 'steps_per_call' in r]
+  beams = [r for r in block['rows']
+           if r['method'] == 'speculative_beam' and 'steps_per_call' in r]  # ran a tree
   if beams:
     lines += ['', 'Speculative beam search against beam_search (batch x beam decoder rows; '
               '"beam step" is one beam_search target call, "verify" one call over the whole '
