@@ -175,17 +175,10 @@ def markdown(results: Mapping[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   args = harness.parser(__doc__, sentences='1:64,8:128', gammas='3', rounds=5).parse_args(argv)
-  settings = [Setting('baseline')] + [Setting('speculative', gamma=g)
-                                      for g in harness.parse_gammas(args.gammas, auto=False)]
-  sources, _ = harness.test_split(args.data_dir)
+  settings = harness.greedy_settings(args.gammas, auto=False)
   pairs = layouts(harness.load_pair())
-  results = {'meta': harness.meta(NAME, argv, args), 'batches': {}}
-  for batch_size, count in harness.parse_sentences(args.sentences).items():
-    results['batches'][str(batch_size)] = batch_block(pairs, settings, batch_size,
-                                                      sources[:count], args)
-    paths = harness.write_results(args, NAME, results, markdown)
-  print('wrote', *paths)
-  return results
+  return harness.run_blocks(NAME, argv, args, lambda batch_size, sources: batch_block(
+      pairs, settings, batch_size, sources, args), markdown)
 
 
 if __name__ == '__main__':

@@ -651,6 +651,26 @@ def write_results(args: argparse.Namespace, name: str, results: Mapping[str, Any
   return paths
 
 
+def greedy_settings(gammas: str, auto: bool = True) -> List[Setting]:
+  """Target-only greedy decoding, then greedy speculative decoding at each of --gammas."""
+  return [Setting('baseline')] + [Setting('speculative', gamma=g)
+                                  for g in parse_gammas(gammas, auto)]
+
+
+def run_blocks(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
+               block: Callable[[int, List[str]], Dict[str, Any]],
+               markdown: Callable[[Dict[str, Any]], str]) -> Dict[str, Any]:
+  """A command's results: block(batch size, the first N test sentences) for each --sentences
+  pair, under 'batches', written after every block (a killed run keeps what it measured)."""
+  sources, _ = test_split(args.data_dir)
+  results = {'meta': meta(name, argv, args), 'batches': {}}
+  for batch_size, count in parse_sentences(args.sentences).items():
+    results['batches'][str(batch_size)] = block(batch_size, sources[:count])
+    paths = write_results(args, name, results, markdown)
+  print('wrote', *paths)
+  return results
+
+
 def auto_note(row: Mapping[str, Any]) -> str:
   """One line on a gamma='auto' row: what the policy measured and the batches per gamma."""
   used = ', '.join(f'gamma {g}: {n}' for g, n in row['gammas_used'].items())

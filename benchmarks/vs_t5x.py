@@ -110,16 +110,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   args = harness.parser(__doc__, sentences='1:40,8:80', gammas='2,auto',
                         rounds=5).parse_args(argv)
   t5x = import_t5x()
-  settings = [Setting('baseline')] + [Setting('speculative', gamma=g)
-                                      for g in harness.parse_gammas(args.gammas)]
-  sources, _ = harness.test_split(args.data_dir)
-  results = {'meta': harness.meta(NAME, argv, args), 'batches': {}}
-  for batch_size, count in harness.parse_sentences(args.sentences).items():
-    results['batches'][str(batch_size)] = batch_block(t5x, settings, batch_size,
-                                                      sources[:count], args)
-    paths = harness.write_results(args, NAME, results, markdown)
-  print('wrote', *paths)
-  return results
+  settings = harness.greedy_settings(args.gammas)
+  return harness.run_blocks(NAME, argv, args, lambda batch_size, sources: batch_block(
+      t5x, settings, batch_size, sources, args), markdown)
 
 
 if __name__ == '__main__':
