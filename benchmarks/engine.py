@@ -34,7 +34,6 @@ from benchmarks import harness
 from benchmarks.harness import Setting
 from speculative_t5x import checkpoints
 from speculative_t5x import data
-from speculative_t5x import network
 from speculative_t5x import pipeline
 from speculative_t5x import policy
 

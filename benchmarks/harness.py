@@ -39,7 +39,6 @@ import numpy as np
 from speculative_t5x import beam_search
 from speculative_t5x import data
 from speculative_t5x import decoding
-from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import pipeline
@@ -220,18 +219,15 @@ def with_layouts(pair: pipeline.Pair, fuse: bool,
   """The pair with its decode-time variables made again (`network.decode_variables`): with or
   without the stacked projections, the draft's logits over all tokens or `draft_vocabulary`;
   placed on the mesh."""
-  params = {name: pair.params[name] for name in pair.configs}
-  prepared = jax.jit(functools.partial(models.EncoderDecoderModel(
-      pair.target_config, pair.draft_config).with_decode_variables, fuse=fuse,
-                                       draft_vocabulary=draft_vocabulary))(params)
+  prepared = pipeline.prepare_params(pair.target_config, pair.draft_config, pair.params, fuse,
+                                     draft_vocabulary)
   return _sharded(dataclasses.replace(pair, params=prepared))
 
 
 def make_pair(target_config: network.T5Config, draft_config: network.T5Config,
               params: Mapping[str, Any]) -> pipeline.Pair:
   """A pair of given (e.g. random) params {'target', 'draft'}, prepared as `load_pair`'s."""
-  prepared = jax.jit(models.EncoderDecoderModel(
-      target_config, draft_config).with_decode_variables)(dict(params))
+  prepared = pipeline.prepare_params(target_config, draft_config, params)
   vocabulary = data.SentencePieceVocabulary(str(data.VOCAB_PATH))
   return _sharded(pipeline.Pair(target_config, draft_config, prepared, vocabulary))
 

@@ -761,20 +761,19 @@ def decode_variables(config: T5Config, params: Any, fuse: bool = False,
   job (`EncoderDecoderModel.with_decode_variables`), or per decode when not prepared:
     decoder/logits_kernel (tied embeddings): the embedding transposed, [emb, vocab].
       `y @ embedding.T` makes XLA:CPU transpose the table (or repack it) on every step.
-  with `vocabulary_ids` ([n] token ids), logits over those tokens only, the others masked
-  (MASK_BIAS): decoder/logits_kernel [emb, n] holds their columns and decoder/logits_index
-  [vocab] each token's column (-1: masked). For a draft: its proposals are only proposals (the target decides what is emitted, and
-  speculative sampling's acceptance uses the distribution the draft sampled from), so a
-  vocabulary cut to the tokens it ever proposes keeps every output exact and makes its
-  vocabulary projection, most of a small draft's step, proportionally cheaper.
-  and with `fuse`, projections that read one input stacked into one matmul:
+  With `vocabulary_ids` ([n] token ids), logits over those tokens only, every other token at
+  MASK_BIAS: decoder/logits_kernel [emb, n] holds their columns, decoder/logits_index [vocab]
+  each token's column (-1: masked). For a draft, whose proposals are only proposals (the target
+  decides what is emitted, and speculative sampling's acceptance uses the distribution the
+  draft sampled from), a vocabulary cut to the tokens it ever proposes keeps every output exact
+  and makes its vocabulary projection, most of a small draft's step, proportionally cheaper.
+  With `fuse`, projections that read one input are stacked into one matmul:
     {encoder,decoder}/layers_i/{attention,self_attention}/qkv_kernel: [emb, 3, heads * head_dim]
       (query, key, value);
     decoder/layers_i/encoder_decoder_attention/kv_kernel: [emb, 2, heads * head_dim];
     {encoder,decoder}/layers_i/mlp/wi_kernel (gated MLPs, T5 1.1): [emb, 2, mlp] (wi_0, wi_1).
-  XLA:CPU runs every matmul as its own kernel, and at small batch a step is mostly per-kernel
-  overhead and weight streaming (fewer, larger matmuls read the same bytes in fewer kernels).
-  The price is memory: a second copy of those kernels, about two thirds of the weights.
+  Fewer matmul kernels reading the same bytes; measured neutral on a 2-core CPU
+  (benchmarks.engine), at the price of a second copy of about two thirds of the weights.
   """
   stack = lambda tree, names: jnp.stack([tree[n]['kernel'] for n in names], axis=1)
   qkv = ('query', 'key', 'value')
@@ -803,9 +802,11 @@ def decode_variables(config: T5Config, params: Any, fuse: bool = False,
   return {k: v for k, v in out.items() if v}
 
 
+@functools.lru_cache(maxsize=16)
 def decode_variables_logical_axes(config: T5Config) -> Dict[str, Any]:
   """Logical axis names of every variable `decode_variables(config, ...)` can make (with or
-  without `fuse` and `vocabulary_ids`), in its tree (for shardings).
+  without `fuse` and `vocabulary_ids`), in its tree (for shardings; cached per config, not to
+  be modified).
 
   The stacked axis is never split: a model-parallel shard holds its own heads' query, key and
   value (its own columns of each wi), so a stacked matmul needs no collective.

@@ -97,14 +97,22 @@ def load_pair(target: PathLike = EMBEDDED_TARGET, draft: PathLike = EMBEDDED_DRA
   if dtype is not None:  # activations in dtype too, as the infer job's `dtype` does
     target_config = dataclasses.replace(target_config, dtype=dtype)
     draft_config = dataclasses.replace(draft_config, dtype=dtype)
-  params = {'target': target_params, 'draft': draft_params}
-  # Decode-time weight layouts once, not once per batch; the draft's vocabulary if it has one.
-  prepare = functools.partial(models.EncoderDecoderModel(
-      target_config, draft_config).with_decode_variables,
-                              draft_vocabulary=checkpoints.load_draft_vocabulary(draft))
-  params = jax.jit(prepare)(params)
+  params = prepare_params(target_config, draft_config,
+                          {'target': target_params, 'draft': draft_params},
+                          draft_vocabulary=checkpoints.load_draft_vocabulary(draft))
   return Pair(target_config, draft_config, params,
               data.SentencePieceVocabulary(str(vocabulary)))
+
+
+def prepare_params(target_config: network.T5Config, draft_config: network.T5Config,
+                   params: Mapping[str, Any], fuse: bool = False,
+                   draft_vocabulary: Optional[np.ndarray] = None) -> Dict[str, Any]:
+  """{'target', 'draft'} params plus their decode-time layouts (`EncoderDecoderModel.
+  with_decode_variables`), made once in one jitted call rather than once per batch."""
+  prepare = functools.partial(models.EncoderDecoderModel(
+      target_config, draft_config).with_decode_variables, fuse=fuse,
+                              draft_vocabulary=draft_vocabulary)
+  return jax.jit(prepare)({name: params[name] for name in ('target', 'draft')})
 
 
 class Predictor:
