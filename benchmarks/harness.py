@@ -248,18 +248,12 @@ class Compiled:
   choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def one_pass(self) -> Outputs:
-    if not self.decoding_policy.measured:
-      # Every batch is dispatched before any result is read, as a fixed decoder runs (on 2
-      # cores consecutive batches overlap).
-      outputs = [self.predictor(None, b, r) for b, r in zip(self.batches, self.rngs)]
-      self.choices_used[None] += len(outputs)
-      return outputs
-    # gamma='auto': batch by batch, each timed and chosen by the policy as the infer job does
-    # (it goes on measuring over the passes; every choice was compiled ahead).
+    """Every batch once, as the infer job runs them (`DecodingPolicy.stream`: one batch in
+    flight; under 'auto' each chosen and timed by the policy, which goes on measuring over the
+    passes; every choice was compiled ahead)."""
     outputs = []
-    for batch, rng in zip(self.batches, self.rngs):
-      choice, out = self.decoding_policy.decode(
-          lambda c, batch=batch, rng=rng: self.predictor(c, batch, rng))
+    for _, choice, out in self.decoding_policy.stream(
+        zip(self.batches, self.rngs), lambda c, item: self.predictor(c, *item)):
       self.choices_used[choice] += 1
       outputs.append(out)
     return outputs

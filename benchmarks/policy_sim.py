@@ -2,7 +2,8 @@
 
   python -m benchmarks.policy_sim --seeds 30
 
-A `policy.DecodingPolicy` (with its injectable clock) decodes a stream of simulated batches: each
+A `policy.DecodingPolicy` (with its injectable clock) decodes a stream of simulated batches
+(`DecodingPolicy.stream`, on a simulated device that runs them in dispatch order): each
 batch's output positions are the longest of its sentences (output lengths of the first
 test_2016_flickr references, tokens and EOS, in file order, `LENGTHS`), and its time under a
 choice is a cost model, per batch size and decoder, calibrated on results/cpu/policy.md:
@@ -78,7 +79,8 @@ class Scenario:
 
 def _gammas(batch_size: int, decoder: str, speedups: Sequence[float], batch_ms: float,
             noise: float, speculative_noise: float) -> Scenario:
-  return Scenario(batch_size, decoder, GAMMAS, policy.FALLBACK_GAMMA, tuple(speedups), batch_ms,
+  fallback = policy.fallback_gamma(0.0 if decoder == 'greedy' else 1.0)
+  return Scenario(batch_size, decoder, GAMMAS, fallback, tuple(speedups), batch_ms,
                   noise=noise, speculative_noise=speculative_noise)
 
 
@@ -147,14 +149,32 @@ def _machine(batches: int, rng: np.random.Generator) -> np.ndarray:
   return np.exp(log_speed) * spikes
 
 
-class _Clock:
-  """The policy's clock: advances only by the simulated batch times."""
+class Device:
+  """A simulated device and the policy's clock: batches run one after another in dispatch
+  order, and awaiting a batch's result (`jax.block_until_ready`, which `DecodingPolicy.stream`
+  calls) moves the clock to when it is done. Dispatching costs no time."""
 
   def __init__(self):
     self.now = 0.0
+    self.free_at = 0.0  # when the batches dispatched so far are done
 
   def __call__(self) -> float:
     return self.now
+
+  def dispatch(self, ms: float, decodes: np.ndarray) -> Tuple[np.ndarray, Dict[str, Any]]:
+    """A batch of `ms` behind those dispatched: (decodes, {'done': awaitable})."""
+    self.free_at = max(self.now, self.free_at) + ms / 1e3
+    return decodes, {'done': _Done(self, self.free_at)}
+
+
+@dataclasses.dataclass
+class _Done:
+  device: Device
+  at: float
+
+  def block_until_ready(self) -> '_Done':
+    self.device.now = max(self.device.now, self.at)
+    return self
 
 
 def make_policy(scenario: Scenario, clock: Callable[[], float]) -> policy.DecodingPolicy:
@@ -169,21 +189,19 @@ def simulate(scenario: Scenario, seed: int, sentences: int = 192, passes: int = 
   the policy's seconds, every fixed choice's seconds on the same draws, batches per choice."""
   rng = np.random.default_rng(seed)
   positions = batch_positions(scenario.batch_size, sentences)
-  clock = _Clock()
-  decoding_policy = new_policy(scenario, clock)
+  device = Device()
+  decoding_policy = new_policy(scenario, device)
   index = {c: i for i, c in enumerate(scenario.choices)}
   decodes = {int(n): np.ones((1, n), np.int32) for n in set(positions)}
   out = []
   for _ in range(passes):
     times = batch_times(scenario, positions, rng)
-    start, schedule = clock.now, collections.Counter()
-    for row, n in zip(times, positions):
-      def run(choice, row=row, n=n):
-        clock.now += row[index[choice]] / 1e3
-        return decodes[int(n)], {}
-      choice, _ = decoding_policy.decode(run)
+    start, schedule = device.now, collections.Counter()
+    for _, choice, _ in decoding_policy.stream(  # as the infer job runs its batches
+        zip(times, positions),
+        lambda choice, item: device.dispatch(item[0][index[choice]], decodes[int(item[1])])):
       schedule[choice] += 1
-    out.append({'policy_s': clock.now - start, 'fixed_s': times.sum(axis=0) / 1e3,
+    out.append({'policy_s': device.now - start, 'fixed_s': times.sum(axis=0) / 1e3,
                 'schedule': schedule})
   return out
 

@@ -446,14 +446,14 @@ class _Run:
 
   def predict(self, choice: Any, batch: Any, rng: Optional[jax.Array] = None,
               compile_only: bool = False) -> Any:
-    """Decodes one batch; a (choice, width) met for the first time is compiled first (counted
-    apart from decoding)."""
+    """Decodes one batch (dispatches it); a (choice, width) met for the first time is compiled
+    first (counted apart from decoding). compile_only: whether it compiled, nothing decoded."""
     compiled_before = self.predictor.compile_seconds
-    executable = self.predictor.compile(choice, batch, self.rng)
+    compiled = self.predictor.prepare(choice, batch, self.rng)
     self.compile_seconds += self.predictor.compile_seconds - compiled_before
     if compile_only:
-      return None
-    return executable(self.predictor.params, batch, self.rng if rng is None else rng)
+      return compiled
+    return self.predictor(choice, batch, self.rng if rng is None else rng)
 
   def compile_first(self, examples: Sequence[inputs.Example]) -> None:
     first = self.make_batch(examples[:self.job.batch_size])
@@ -497,16 +497,18 @@ class _Run:
     exactly what an uninterrupted one would.
     """
     start, compiled_before = time.time(), self.compile_seconds
+
+    def batches():  # made while the batches before are decoding
+      for b in range(-(-len(members) // self.job.batch_size)):
+        rows = members[b * self.job.batch_size:(b + 1) * self.job.batch_size]
+        yield rows, jax.random.fold_in(jax.random.fold_in(self.rng, c), b), self.make_batch(rows)
+
     records = []
-    for b in range(-(-len(members) // self.job.batch_size)):
-      rows = members[b * self.job.batch_size:(b + 1) * self.job.batch_size]
-      mine = self.job.mine(rows)
-      rng = jax.random.fold_in(jax.random.fold_in(self.rng, c), b)
-      batch = self.make_batch(rows)
-      choice, outputs = self.policy.decode(lambda choice: self.predict(choice, batch, rng),
-                                           lambda choice: self.predict(choice, batch, compile_only=True))
+    for (rows, _, _), choice, outputs in self.policy.stream(
+        batches(), lambda choice, item: self.predict(choice, item[2], item[1]),
+        lambda choice, item: self.predict(choice, item[2], compile_only=True)):
       decodes, aux = _process_rows(outputs, self.job.process, self.job.local_batch)
-      for row, ex in enumerate(mine):
+      for row, ex in enumerate(self.job.mine(rows)):
         stats = {k: v[row] for k, v in aux.get('stats', {}).items()}
         if self.policy.setting is not None:
           stats[self.policy.setting] = list(choice) if isinstance(choice, tuple) else choice

@@ -155,6 +155,13 @@ class Predictor:
       self.compile_seconds += time.time() - start
     return self._compiled[key]
 
+  def prepare(self, choice: Any, batch: Mapping[str, Any], rng: jax.Array) -> bool:
+    """Compiles (choice, the batch's width) if it is new; whether it did (`DecodingPolicy.
+    stream`'s prepare)."""
+    compiled = (choice, batch['encoder_input_tokens'].shape[1]) in self._compiled
+    self.compile(choice, batch, rng)
+    return not compiled
+
   def __call__(self, choice: Any, batch: Mapping[str, Any], rng: jax.Array) -> Any:
     return self.compile(choice, batch, rng)(self.params, batch, rng)
 
@@ -269,9 +276,9 @@ class Pipeline:
     decoding_policy, predictor = self.prepare(decoder, decode_kwargs, rows)
     rng = jax.random.PRNGKey(seed)
     outputs, schedule = [], collections.Counter()
-    for batch in batches:  # a choice is compiled when first met, untimed
-      choice, out = decoding_policy.decode(lambda choice: predictor(choice, batch, rng),
-                                           lambda choice: predictor.compile(choice, batch, rng))
+    for _, choice, out in decoding_policy.stream(  # a choice is compiled when first met, untimed
+        batches, lambda choice, batch: predictor(choice, batch, rng),
+        lambda choice, batch: predictor.prepare(choice, batch, rng)):
       outputs.append(jax.tree.map(np.asarray, out))
       schedule[choice] += 1
     return self._collect(outputs, len(texts), schedule, decoding_policy)

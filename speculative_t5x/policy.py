@@ -39,7 +39,8 @@ import collections
 import dataclasses
 import inspect
 import time
-from typing import Any, Callable, Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import (Any, Callable, Deque, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 import jax
 import numpy as np
@@ -50,7 +51,9 @@ from speculative_t5x import models
 
 AUTO = 'auto'
 # gamma='auto' candidates: 0 (the target alone) to MAX_GAMMA, each one compiled loop. The first
-# batch runs FALLBACK_GAMMA: the fastest gamma measured at batch 1 on the project's CPU.
+# batch runs FALLBACK_GAMMA when greedy (the fastest gamma measured at batch 1 on the project's
+# CPU), the target alone when sampling (at T=1 the draft's tokens are accepted about half as
+# often, and speculation did not pay there at any batch size).
 MAX_GAMMA = 4
 FALLBACK_GAMMA = 1
 # branching='auto' candidates, () = beam_search itself (the fallback: a tree call over 4 beams is
@@ -81,6 +84,8 @@ PRIOR_SLOWDOWN = 0.5
 # the machine's drift, and a neighbour that never pays costs ever fewer batches.
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
+# A job's batches in flight beyond the one awaited (`DecodingPolicy.stream`).
+IN_FLIGHT = 2
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -119,30 +124,26 @@ def output_positions(decodes: Any) -> int:
 
 @dataclasses.dataclass
 class _Record:
-  """One choice's measurements: ms and output positions of its last batches."""
+  """One choice's measurements: ms and output positions of its last batches, with the window's
+  cost and log ms per position computed once per batch (the policy reads them several times a
+  batch, and at batch 1 a batch is a few ms)."""
   ms: Deque[float]
   positions: Deque[int]
   batches: int = 0
   last: int = -1  # the job's batch number it last ran
   interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
+  cost: float = float('inf')  # ms per output position: a ratio of sums over the window
+  log_ratios: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
-  def _clipped(self) -> Tuple[np.ndarray, np.ndarray]:
-    """(ms, positions) of the window, each batch's ms at most SPIKE times its positions at the
+  def add(self, ms: float, positions: int) -> None:
+    """Appends a batch. Each batch's ms counts at most SPIKE times its positions at the window's
     median ms per position: another process's burst must not stick to a choice for a window."""
-    ms, positions = np.asarray(self.ms), np.asarray(self.positions)
-    return np.minimum(ms, SPIKE * np.median(ms / positions) * positions), positions
-
-  @property
-  def cost(self) -> float:
-    """ms per output position: a ratio of sums over the window."""
-    if not self.ms:
-      return float('inf')
-    ms, positions = self._clipped()
-    return float(ms.sum() / positions.sum())
-
-  def log_ratios(self) -> np.ndarray:
-    ms, positions = self._clipped()
-    return np.log(ms / positions)
+    self.ms.append(ms)
+    self.positions.append(positions)
+    ms_, positions_ = np.asarray(self.ms), np.asarray(self.positions)
+    clipped = np.minimum(ms_, SPIKE * np.median(ms_ / positions_) * positions_)
+    self.cost = float(clipped.sum() / positions_.sum())
+    self.log_ratios = np.log(clipped / positions_)
 
 
 class DecodingPolicy:
@@ -172,6 +173,7 @@ class DecodingPolicy:
     self.batches = 0
     self.total_ms = 0.0
     self.excess_ms = 0.0  # what batches of other choices cost beyond the running choice's cost
+    self._sigma_cache: Optional[float] = None
 
   @property
   def measured(self) -> bool:
@@ -187,14 +189,16 @@ class DecodingPolicy:
     return [self.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(self.choices)]
 
   def _sigma(self) -> float:
-    """The noise of one batch's log ms per position, pooled over the choices (with a prior)."""
-    squares, dof = PRIOR_SIGMA ** 2 * PRIOR_BATCHES, PRIOR_BATCHES
-    for record in self.records.values():
-      if len(record.ms) > 1:
-        logs = record.log_ratios()
-        squares += float(np.sum((logs - logs.mean()) ** 2))
-        dof += len(logs) - 1
-    return float(np.sqrt(squares / dof))
+    """The noise of one batch's log ms per position, pooled over the choices (with a prior);
+    computed once per observed batch."""
+    if self._sigma_cache is None:
+      squares, dof = PRIOR_SIGMA ** 2 * PRIOR_BATCHES, PRIOR_BATCHES
+      for record in self.records.values():
+        if len(record.ms) > 1:
+          squares += float(np.sum((record.log_ratios - record.log_ratios.mean()) ** 2))
+          dof += len(record.log_ratios) - 1
+      self._sigma_cache = float(np.sqrt(squares / dof))
+    return self._sigma_cache
 
   def _advantage(self, choice: Any) -> Tuple[float, float]:
     """(log of the running choice's cost over `choice`'s: > 0 when it is faster, its standard
@@ -240,9 +244,10 @@ class DecodingPolicy:
       return min(due, key=lambda c: self.records[c].last)
     return self.current
 
-  def choose(self) -> Any:
-    """The choice for the next batch, process 0's in a multi-host job (all run one program)."""
-    choice = self._next()
+  def choose(self, explore: bool = True) -> Any:
+    """The choice for the next batch (the running one unless `explore`), process 0's in a
+    multi-host job (all run one program)."""
+    choice = self._next() if explore else self.current
     if self.measured and jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       index = multihost_utils.broadcast_one_to_all(np.int32(self.choices.index(choice)))
@@ -254,8 +259,8 @@ class DecodingPolicy:
     record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
     if choice not in (self.current, self.choices[0]) and self.records[self.current].ms:
       self.excess_ms += ms - self.records[self.current].cost * positions
-    record.ms.append(ms)
-    record.positions.append(positions)
+    record.add(ms, positions)
+    self._sigma_cache = None
     record.batches += 1
     record.last = self.batches
     self.batches += 1
@@ -272,16 +277,53 @@ class DecodingPolicy:
       # (A multi-host job runs process 0's choice, which need not neighbour this process's.)
       record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
 
-  def decode(self, run: Callable[[Any], Any], prepare: Optional[Callable[[Any], Any]] = None
-             ) -> Tuple[Any, Any]:
-    """Chooses, runs run(choice) -> (decodes, aux) to completion, observes; (choice, outputs).
-    prepare(choice), if given, runs first and untimed (compiling a choice when first met)."""
-    choice = self.choose()
-    if prepare is not None:
-      prepare(choice)
-    start = self.clock()
-    outputs = jax.block_until_ready(run(choice))
-    self.observe(choice, self.clock() - start, outputs[0])
+  def stream(self, items: Iterable[Any], run: Callable[[Any, Any], Any],
+             prepare: Optional[Callable[[Any, Any], bool]] = None, in_flight: int = IN_FLIGHT
+             ) -> Iterator[Tuple[Any, Any, Any]]:
+    """Decodes `items` in order, `in_flight` batches dispatched ahead: (item, choice, outputs).
+
+    run(choice, item) -> (decodes, aux) dispatches a batch; its result is awaited only once
+    `in_flight` later batches are dispatched, as a fixed decoder's loop over batches runs (the
+    host's work on a batch overlaps the decoding of those before it, and on 2 cores two batches
+    decode side by side). A batch's time runs from the previous batch's result to its own: the
+    job's wall time, shared out. The first batch is awaited before the next is chosen; while a
+    batch of another choice than the running one (exploration) is in flight, the next batches
+    run the running choice.
+    prepare(choice, item) -> whether it compiled (and warmed up) a new executable: the batches
+    in flight then shared the cores with the compiler, and their times are not recorded.
+    """
+    pending: Deque[Tuple[Any, Any, Any]] = collections.deque()  # (item, choice, outputs)
+    mark = 0.0  # when the oldest batch in flight started to count
+
+    def land(recorded: bool = True) -> Tuple[Any, Any, Any]:
+      nonlocal mark
+      landed = pending.popleft()
+      jax.block_until_ready(landed[2])
+      now = self.clock()
+      if recorded:
+        self.observe(landed[1], now - mark, landed[2][0])
+      mark = now
+      return landed
+
+    for item in items:
+      while pending and self.measured and not self.records[self.current].ms:
+        yield land()  # a job's first batch: the search starts from its time
+      choice = self.choose(explore=all(c == self.current for _, c, _ in pending))
+      if prepare is not None and prepare(choice, item):
+        while pending:
+          yield land(recorded=False)
+      if not pending:
+        mark = self.clock()
+      pending.append((item, choice, run(choice, item)))
+      while len(pending) > in_flight:
+        yield land()
+    while pending:
+      yield land()
+
+  def decode(self, run: Callable[[Any], Any]) -> Tuple[Any, Any]:
+    """One batch, chosen, run(choice) -> (decodes, aux) to completion, observed: (choice,
+    outputs). A job's loop over batches uses `stream`."""
+    _, choice, outputs = next(self.stream([None], lambda choice, _: run(choice)))
     return choice, outputs
 
   def summary(self) -> Dict[str, Any]:
@@ -318,13 +360,19 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   """
   name = _name(model.decode_fn)
   if name == _name(decoding.speculative_sample) and decode_kwargs.get('gamma') == AUTO:
-    return (DecodingPolicy(range(max_gamma + 1), 'gamma', FALLBACK_GAMMA, **policy_kwargs),
+    fallback = fallback_gamma(decode_kwargs.get('temperature', 1.0))  # the decoder's default
+    return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, **policy_kwargs),
             gamma_decoders(model, decode_kwargs, max_gamma))
   if (name == _name(beam_search.speculative_beam_search) and
       decode_kwargs.get('branching') == AUTO):
     return (DecodingPolicy(TREES, 'branching', FALLBACK_TREE, **policy_kwargs),
             tree_decoders(model, decode_kwargs))
   return DecodingPolicy((None,)), {None: model}
+
+
+def fallback_gamma(temperature: Any) -> int:
+  """The gamma of a job's first batch: FALLBACK_GAMMA when greedy, else 0 (the target alone)."""
+  return FALLBACK_GAMMA if np.all(np.asarray(temperature) == 0.0) else 0
 
 
 def _copy(model: models.EncoderDecoderModel, decode_fn: Callable,

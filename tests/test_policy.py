@@ -13,27 +13,13 @@ from speculative_t5x import policy
 from test_infer import DRAFT, TARGET, _infer, _model, _outputs, setup  # noqa: F401  (fixture)
 
 
-class FakeClock:
-  """A clock that advances only by what each batch is made to cost."""
-
-  def __init__(self):
-    self.now = 0.0
-
-  def __call__(self):
-    return self.now
-
-
-def _run_job(decoding_policy, clock, cost_ms, batches=40, positions=10):
-  """Decodes `batches` fake batches whose time is cost_ms[choice] per output position;
-  returns the choices made, in order."""
+def _run_job(decoding_policy, device, cost_ms, batches=40, positions=10):
+  """Decodes `batches` fake batches as a job does (`DecodingPolicy.stream`), each costing
+  cost_ms[choice] per output position on the simulated device; returns the choices made."""
   decodes = np.zeros((2, 12), np.int32)
   decodes[0, :positions] = 5
-
-  def run(choice):
-    clock.now += cost_ms[choice] * positions / 1e3
-    return decodes, {}
-
-  return [decoding_policy.decode(run)[0] for _ in range(batches)]
+  return [choice for _, choice, _ in decoding_policy.stream(
+      range(batches), lambda choice, _: device.dispatch(cost_ms[choice] * positions, decodes))]
 
 
 def _gamma_policy(clock, **kwargs):
@@ -41,10 +27,12 @@ def _gamma_policy(clock, **kwargs):
 
 
 def test_picks_the_plain_decoder_when_speculation_is_slower():
-  clock = FakeClock()
+  device = policy_sim.Device()
   costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}
-  choices = _run_job(_gamma_policy(clock), clock, costs)
-  assert choices[:3] == [1, 0, 0]  # the fallback, its neighbour, confirmed faster
+  choices = _run_job(_gamma_policy(device), device, costs)
+  # The fallback (awaited: the search starts from it), its neighbour, the running choice while
+  # that is in flight (policy.IN_FLIGHT batches), then the neighbour, confirmed faster.
+  assert policy.IN_FLIGHT == 2 and choices[:5] == [1, 0, 1, 1, 0]
   assert set(choices) == {0, 1}  # a local search: 0 has no cheaper neighbour; 2-4 never run
   assert choices[-10:].count(0) >= 9
   time = sum(costs[c] for c in choices)
@@ -52,26 +40,71 @@ def test_picks_the_plain_decoder_when_speculation_is_slower():
 
 
 def test_picks_a_speculative_decoder_when_it_is_faster():
-  clock = FakeClock()
+  device = policy_sim.Device()
   costs = {0: 2.0, 1: 1.4, 2: 1.1, 3: 1.2, 4: 1.5}
-  decoding_policy = _gamma_policy(clock)
-  choices = _run_job(decoding_policy, clock, costs)
+  decoding_policy = _gamma_policy(device)
+  choices = _run_job(decoding_policy, device, costs)
   # Climbs from the fallback to the fastest (24% faster than gamma 1: beyond a batch's noise),
   # tries the next one, which is slower, and stays.
-  assert choices[:3] == [1, 0, 2]
+  assert choices[:8] == [1, 0, 1, 1, 2, 1, 1, 2]
   assert 4 not in choices and choices[-10:].count(2) >= 9
   summary = decoding_policy.summary()
   assert summary['best'] == 2 and not summary['fallback_only']
   assert summary['measured']['2']['ms_per_position'] == pytest.approx(1.1)
 
 
+def test_stream_keeps_batches_in_flight_and_times_each_by_its_share():
+  """A job's loop (`DecodingPolicy.stream`): results come back in order, paired with their
+  items; batches are awaited IN_FLIGHT dispatches late; each batch's recorded time is its own
+  on a device that runs them back to back; at most one exploration batch is in flight."""
+  device = policy_sim.Device()
+  decoding_policy = _gamma_policy(device)
+  costs = {0: 9.0, 1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}
+  decodes = np.full((1, 10), 5, np.int32)
+  dispatched, seen = [], []
+
+  def run(choice, item):
+    dispatched.append(item)
+    return device.dispatch(costs[choice] * (1 + item / 100), decodes)
+
+  for item, choice, outputs in decoding_policy.stream(range(30), run):
+    assert outputs[0] is decodes
+    seen.append((item, choice))
+    in_flight = dispatched[len(seen):]
+    assert len(in_flight) <= policy.IN_FLIGHT
+  assert [item for item, _ in seen] == list(range(30)) == dispatched
+  for choice, record in decoding_policy.records.items():
+    items = [i for i, c in seen if c == choice][-len(record.ms):]
+    assert list(record.ms) == pytest.approx([costs[choice] * (1 + i / 100) for i in items])
+  explorations = [i for i, (_, c) in enumerate(seen) if c != 0 and i > 2]
+  assert all(b - a > policy.IN_FLIGHT for a, b in zip(explorations, explorations[1:]))
+
+
+def test_stream_does_not_record_batches_that_shared_the_cores_with_a_compile():
+  device = policy_sim.Device()
+  decoding_policy = policy.DecodingPolicy((None,), clock=device)
+  decodes = np.full((1, 10), 5, np.int32)
+  compiled = set()
+
+  def prepare(choice, item):  # a new encoder width every 5 batches
+    new = item // 5 not in compiled
+    compiled.add(item // 5)
+    return new
+
+  out = list(decoding_policy.stream(range(12), lambda c, i: device.dispatch(1.0, decodes),
+                                    prepare))
+  assert [item for item, _, _ in out] == list(range(12))
+  # Batches 3-4 and 8-9 were in flight when widths 1 and 2 compiled.
+  assert decoding_policy.records[None].batches == 12 - 2 * policy.IN_FLIGHT
+
+
 def test_follows_drift_by_re_measuring_neighbours():
-  clock = FakeClock()
+  device = policy_sim.Device()
   costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}
-  decoding_policy = _gamma_policy(clock, window=4, explore_every=4)
-  _run_job(decoding_policy, clock, costs, batches=20)
+  decoding_policy = _gamma_policy(device, window=4, explore_every=4)
+  _run_job(decoding_policy, device, costs, batches=20)
   costs.update({0: 2.0, 1: 1.0})  # the machine changes: speculation now pays
-  choices = _run_job(decoding_policy, clock, costs, batches=40)
+  choices = _run_job(decoding_policy, device, costs, batches=40)
   assert choices[-10:].count(1) >= 7
 
 
@@ -107,19 +140,19 @@ def test_exploration_of_a_slower_tree_is_bounded():
 
 
 def test_a_short_job_runs_the_fallback_and_says_so():
-  clock = FakeClock()
-  decoding_policy = _gamma_policy(clock)
-  assert _run_job(decoding_policy, clock, {g: 1.0 for g in range(5)}, batches=1) == [1]
+  device = policy_sim.Device()
+  decoding_policy = _gamma_policy(device)
+  assert _run_job(decoding_policy, device, {g: 1.0 for g in range(5)}, batches=1) == [1]
   assert decoding_policy.summary()['fallback_only']
   fixed = policy.DecodingPolicy((None,))
   assert not fixed.measured and fixed.summary() == {}
-  assert _run_job(fixed, clock, {None: 1.0}, batches=3) == [None] * 3
+  assert _run_job(fixed, device, {None: 1.0}, batches=3) == [None] * 3
 
 
 def test_a_choice_that_is_not_a_neighbour_is_recorded():
   """A multi-host job runs process 0's choice, which another process's policy may not have
   reached: it is recorded like any batch."""
-  decoding_policy = _gamma_policy(FakeClock())
+  decoding_policy = _gamma_policy(policy_sim.Device())
   decodes = np.full((1, 4), 5, np.int32)
   decoding_policy.observe(1, 0.01, decodes)
   decoding_policy.observe(4, 0.01, decodes)  # gamma 4: not a neighbour of the running gamma 1
