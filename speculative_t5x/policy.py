@@ -12,23 +12,28 @@ open into its candidates, ordered from the plain decoder to the most speculative
                                                 temperature / topk / topp), 1, ..., max_gamma
   speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
-and a `DecodingPolicy` that picks one per batch. Every batch is a real batch of the job (its
-outputs are kept: there is no separate calibration); its wall time and output positions (the
-longest output of the batch) are recorded for the choice that ran it. A choice's cost is total
-ms over total positions of its last `window` batches (a ratio of sums: a short batch, which
-carries the encoder and per-batch overhead over few positions, weighs less; a burst of another
-process is clipped). The first batch runs the fallback; then the running choice's neighbours
-(one step more or less speculative) are tried: a local search that stops where both neighbours
-are slower, so a job tries two or three choices, not all. A neighbour replaces the running
-choice only once it is faster by a margin beyond the noise of the two estimates (the noise of
-one batch pooled over the job's batches); while it may be faster, it (or the running choice,
-if that has fewer batches) runs again. Exploration is bounded: batches of other choices may
-cost at most `EXPLORE_SHARE` of the job's time beyond the running choice's (an untried, more
-speculative neighbour is assumed slower unless the last step toward it saved time); the plain
-decoder is exempt, as time on it is never lost against decoding without speculation. A
-neighbour that is surely not faster is re-measured `explore_every` batches after it last ran,
-and twice as long after each time, so a long job follows the machine's drift at a cost that
-shrinks. A job shorter than the search runs the fallback, and its summary says so.
+and a `DecodingPolicy` that picks one per batch. A job's batches run as a fixed decoder's would,
+dispatched ahead of the one awaited (`DecodingPolicy.stream`), and every batch is a real batch
+of the job (its outputs are kept: there is no separate calibration); its share of the job's wall
+time and its output positions (the longest output of the batch) are recorded for the choice
+that ran it. A choice's cost is total ms over total positions of its last `window` batches (a
+ratio of sums: a short batch, which carries the encoder and per-batch overhead over few
+positions, weighs less; a burst of another process is clipped). A neighbour is compared with
+the running choice both ways, window against window and side by side (each of its batches
+against the running choice's batches run around it: the machine's speed drifts by more than
+the differences sought), and the less favourable comparison counts. The first batch runs the
+fallback; then the running choice's neighbours (one step more or less speculative) are tried: a
+local search that stops where both neighbours are slower, so a job tries two or three choices,
+not all. A neighbour replaces the running choice only once it is faster by a margin beyond the
+noise of the estimates (the noise of one batch pooled over the job's batches); while it may be
+faster, it (or the running choice, if that has fewer batches) runs again. Exploration is
+bounded: batches of untried choices may cost at most `EXPLORE_SHARE` of the job's time beyond
+the running choice's (an untried, more speculative neighbour is assumed slower unless the last
+step toward it saved time); the plain decoder is exempt, as time on it is never lost against
+decoding without speculation. A neighbour that is surely not faster is re-measured
+`explore_every` batches after it last ran, and twice as long after each time, so a long job
+follows changes at a cost that shrinks. A job shorter than the search runs the fallback, and
+its summary says so.
 
 BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
 """
@@ -72,6 +77,10 @@ Z = 0.5
 PRIOR_SIGMA, PRIOR_BATCHES = 0.15, 4
 # A batch counts at most SPIKE times the choice's median ms per position.
 SPIKE = 1.5
+# A neighbour's batch is compared with the running choice's batches at most NEAR batches from it
+# (before or after), among the last HISTORY batches of each choice.
+NEAR = 8
+HISTORY = 512
 # Exploration (batches of non-running choices) may cost at most EXPLORE_SHARE of the job's time
 # beyond what the running choice would have taken; an untried neighbour is expected to cost
 # PRIOR_SLOWDOWN more than the running choice unless the step to the running choice from its
@@ -134,12 +143,18 @@ class _Record:
   interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
   cost: float = float('inf')  # ms per output position: a ratio of sums over the window
   log_ratios: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+  # (the job's batch number, ms, positions) of its last HISTORY batches, for side-by-side
+  # comparisons with batches of other choices run at about the same time.
+  history: Deque[Tuple[int, float, int]] = dataclasses.field(
+      default_factory=lambda: collections.deque(maxlen=HISTORY))
 
-  def add(self, ms: float, positions: int) -> None:
-    """Appends a batch. Each batch's ms counts at most SPIKE times its positions at the window's
-    median ms per position: another process's burst must not stick to a choice for a window."""
+  def add(self, number: int, ms: float, positions: int) -> None:
+    """Appends batch `number`. Each batch's ms counts at most SPIKE times its positions at the
+    window's median ms per position: another process's burst must not stick to a choice for a
+    window."""
     self.ms.append(ms)
     self.positions.append(positions)
+    self.history.append((number, ms, positions))
     ms_, positions_ = np.asarray(self.ms), np.asarray(self.positions)
     clipped = np.minimum(ms_, SPIKE * np.median(ms_ / positions_) * positions_)
     self.cost = float(clipped.sum() / positions_.sum())
@@ -174,6 +189,7 @@ class DecodingPolicy:
     self.total_ms = 0.0
     self.excess_ms = 0.0  # what batches of other choices cost beyond the running choice's cost
     self._sigma_cache: Optional[float] = None
+    self._advantages: Dict[Any, Tuple[float, float]] = {}  # of this batch: each is read often
 
   @property
   def measured(self) -> bool:
@@ -201,13 +217,37 @@ class DecodingPolicy:
     return self._sigma_cache
 
   def _advantage(self, choice: Any) -> Tuple[float, float]:
-    """(log of the running choice's cost over `choice`'s: > 0 when it is faster, its standard
-    error)."""
-    record, current = self.records[choice], self.records[self.current]
+    """(log of the running choice's ms per position over `choice`'s: > 0 when it is faster,
+    its standard error), measured side by side: each of `choice`'s last `window` batches
+    against the running choice's batches within NEAR batches of it (the machine's speed drifts
+    by more than the differences sought, so windows taken at different times cannot be
+    compared). Each pair's log ratio counts at most log(SPIKE) either way."""
+    if choice not in self._advantages:
+      record, current = self.records[choice], self.records[self.current]
+      paired, windows = self._paired(record, current), self._windows(record, current)
+      self._advantages[choice] = min(paired[0], windows[0]), max(paired[1], windows[1])
+    return self._advantages[choice]
+
+  def _windows(self, record: _Record, current: _Record) -> Tuple[float, float]:
     if not record.ms or not current.ms:
       return 0.0, float('inf')
     error = self._sigma() * np.sqrt(1 / len(record.ms) + 1 / len(current.ms))
     return float(np.log(current.cost / record.cost)), float(error)
+
+  def _paired(self, record: _Record, current: _Record) -> Tuple[float, float]:
+    if not record.history or not current.history:
+      return 0.0, float('inf')
+    number, ms, positions = (np.array(column) for column in zip(*current.history))
+    gains, weights = [], []
+    for n, m, p in list(record.history)[-self.window:]:
+      near = np.abs(number - n) <= NEAR
+      if near.any():
+        gains.append(np.log(ms[near].sum() / positions[near].sum()) - np.log(m / p))
+        weights.append(1 + 1 / near.sum())  # the pair's variance, in one batch's
+    if not gains:
+      return 0.0, float('inf')
+    gains = np.clip(gains, -np.log(SPIKE), np.log(SPIKE))
+    return float(gains.mean()), float(self._sigma() * np.sqrt(np.sum(weights)) / len(gains))
 
   def _expected_slowdown(self, choice: Any) -> float:
     """How much slower than the running choice a batch of `choice` is expected to be."""
@@ -238,8 +278,12 @@ class DecodingPolicy:
       gain, error = self._advantage(choice)
       if record.ms and (gain > MARGIN or gain + Z * error > MARGIN and self._affordable(choice)):
         return choice if len(record.ms) <= len(current.ms) else self.current
-    due = [c for c in neighbours if self.batches - self.records[c].last >=
-           (self.records[c].interval if self.records[c].ms else 0) and self._affordable(c)]
+    # Untried neighbours within the exploration budget; measured ones when their interval is
+    # up (its doubling bounds what re-measuring costs: a neighbour's relative speed can only be
+    # known to have changed by measuring it again).
+    due = [c for c in neighbours
+           if (self.batches - self.records[c].last >= self.records[c].interval
+               if self.records[c].ms else self._affordable(c))]
     if due:  # untried neighbours first (the local search), then the longest unmeasured
       return min(due, key=lambda c: self.records[c].last)
     return self.current
@@ -259,8 +303,8 @@ class DecodingPolicy:
     record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
     if choice not in (self.current, self.choices[0]) and self.records[self.current].ms:
       self.excess_ms += ms - self.records[self.current].cost * positions
-    record.add(ms, positions)
-    self._sigma_cache = None
+    record.add(self.batches, ms, positions)
+    self._sigma_cache, self._advantages = None, {}
     record.batches += 1
     record.last = self.batches
     self.batches += 1
@@ -272,7 +316,7 @@ class DecodingPolicy:
     if surely:
       best = max(surely, key=lambda c: advantages[c][0])
       self.records[self.current].interval = self.explore_every
-      self.current = best
+      self.current, self._advantages = best, {}
     elif choice in advantages and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
       # (A multi-host job runs process 0's choice, which need not neighbour this process's.)
       record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
