@@ -201,8 +201,18 @@ class DecodingPolicy:
     return self.current
 
   def _neighbours(self) -> List[Any]:
-    i = self.choices.index(self.current)
-    return [self.choices[j] for j in (i - 1, i + 1) if 0 <= j < len(self.choices)]
+    """The choices one step more and less speculative than the running one, and the next one
+    past a neighbour that is not surely slower: a local search then crosses a plateau (at batch
+    1 greedy gamma 2, 3 and 4 were within a few % of each other, and the search rested on 2)."""
+    i, out = self.choices.index(self.current), []
+    for step in (-1, 1):
+      if 0 <= i + step < len(self.choices):
+        out.append(self.choices[i + step])
+        gain, error = self._advantage(out[-1])
+        if (self.records[out[-1]].ms and gain + Z * error > -MARGIN and
+            0 <= i + 2 * step < len(self.choices)):
+          out.append(self.choices[i + 2 * step])
+    return out
 
   def _sigma(self) -> float:
     """The noise of one batch's log ms per position, pooled over the choices (with a prior);
@@ -237,23 +247,26 @@ class DecodingPolicy:
   def _paired(self, record: _Record, current: _Record) -> Tuple[float, float]:
     if not record.history or not current.history:
       return 0.0, float('inf')
-    number, ms, positions = (np.array(column) for column in zip(*current.history))
-    gains, weights = [], []
-    for n, m, p in list(record.history)[-self.window:]:
-      near = np.abs(number - n) <= NEAR
-      if near.any():
-        gains.append(np.log(ms[near].sum() / positions[near].sum()) - np.log(m / p))
-        weights.append(1 + 1 / near.sum())  # the pair's variance, in one batch's
-    if not gains:
+    theirs = np.array(list(record.history)[-self.window:])  # [n, (number, ms, positions)]
+    ours = np.array(current.history)
+    near = np.abs(ours[None, :, 0] - theirs[:, None, 0]) <= NEAR  # [n, len(ours)]
+    counts = near.sum(axis=1)
+    paired = counts > 0
+    if not paired.any():
       return 0.0, float('inf')
+    ratios = (near @ ours[:, 1]) / np.maximum(near @ ours[:, 2], 1)
+    gains = np.log(ratios[paired]) - np.log(theirs[paired, 1] / theirs[paired, 2])
     gains = np.clip(gains, -np.log(SPIKE), np.log(SPIKE))
-    return float(gains.mean()), float(self._sigma() * np.sqrt(np.sum(weights)) / len(gains))
+    weights = 1 + 1 / counts[paired]  # each pair's variance, in one batch's
+    return float(gains.mean()), float(self._sigma() * np.sqrt(weights.sum()) / len(gains))
 
   def _expected_slowdown(self, choice: Any) -> float:
     """How much slower than the running choice a batch of `choice` is expected to be."""
     if self.records[choice].ms:
       return max(0.0, -self._advantage(choice)[0])
     i, j = self.choices.index(self.current), self.choices.index(choice)
+    if abs(j - i) == 2:  # past a plateau: as slow as the neighbour in between, if that is
+      return max(0.0, -self._advantage(self.choices[(i + j) // 2])[0])
     other = 2 * i - j  # the running choice's neighbour on the other side
     if 0 <= other < len(self.choices) and self.records[self.choices[other]].ms and (
         self.records[self.choices[other]].cost > self.records[self.current].cost):
