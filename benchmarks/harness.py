@@ -248,7 +248,7 @@ class Compiled:
   choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def one_pass(self) -> Outputs:
-    """Every batch once, as the infer job runs them (`DecodingPolicy.stream`: one batch in
+    """Every batch once, as the infer job runs them (`DecodingPolicy.stream`: batches in
     flight; under 'auto' each chosen and timed by the policy, which goes on measuring over the
     passes; every choice was compiled ahead)."""
     outputs = []

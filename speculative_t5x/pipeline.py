@@ -145,7 +145,7 @@ class Predictor:
     once untimed) when first needed: an executable's first run costs several times a later one (measured:
     9.6 against 2.5 ms per output position on the embedded pair at batch 8), a one-time cost
     like compilation, which must not count as the decoder's speed."""
-    key = (choice, batch['encoder_input_tokens'].shape[1])
+    key = self._key(choice, batch)
     if key not in self._compiled:
       start = time.time()
       executable = self._functions[choice].lower(self.params, batch, rng).compile()
@@ -158,9 +158,13 @@ class Predictor:
   def prepare(self, choice: Any, batch: Mapping[str, Any], rng: jax.Array) -> bool:
     """Compiles (choice, the batch's width) if it is new; whether it did (`DecodingPolicy.
     stream`'s prepare)."""
-    compiled = (choice, batch['encoder_input_tokens'].shape[1]) in self._compiled
+    new = self._key(choice, batch) not in self._compiled
     self.compile(choice, batch, rng)
-    return not compiled
+    return new
+
+  @staticmethod
+  def _key(choice: Any, batch: Mapping[str, Any]) -> Tuple[Any, int]:
+    return choice, batch['encoder_input_tokens'].shape[1]
 
   def __call__(self, choice: Any, batch: Mapping[str, Any], rng: jax.Array) -> Any:
     return self.compile(choice, batch, rng)(self.params, batch, rng)

@@ -44,8 +44,8 @@ import collections
 import dataclasses
 import inspect
 import time
-from typing import (Any, Callable, Deque, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
-                    Sequence, Tuple)
+from typing import (Any, Callable, Deque, Dict, Hashable, Iterable, Iterator, List, Mapping,
+                    Optional, Sequence, Tuple)
 
 import jax
 import numpy as np
@@ -133,30 +133,30 @@ def output_positions(decodes: Any) -> int:
 
 @dataclasses.dataclass
 class _Record:
-  """One choice's measurements: ms and output positions of its last batches, with the window's
-  cost and log ms per position computed once per batch (the policy reads them several times a
-  batch, and at batch 1 a batch is a few ms)."""
-  ms: Deque[float]
-  positions: Deque[int]
+  """One choice's measurements: (the job's batch number, ms, output positions) of its last
+  HISTORY batches, for side-by-side comparisons with batches of other choices run at about the
+  same time, and its cost over the last `window` of them, computed once per batch (the policy
+  reads it several times a batch, and at batch 1 a batch is a few ms)."""
+  window: int
   batches: int = 0
   last: int = -1  # the job's batch number it last ran
   interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
-  cost: float = float('inf')  # ms per output position: a ratio of sums over the window
-  log_ratios: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
-  # (the job's batch number, ms, positions) of its last HISTORY batches, for side-by-side
-  # comparisons with batches of other choices run at about the same time.
   history: Deque[Tuple[int, float, int]] = dataclasses.field(
       default_factory=lambda: collections.deque(maxlen=HISTORY))
+  count: int = 0  # batches in the window
+  mean_ms: float = 0.0  # their mean ms
+  cost: float = float('inf')  # ms per output position: a ratio of sums over the window
+  log_ratios: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
   def add(self, number: int, ms: float, positions: int) -> None:
     """Appends batch `number`. Each batch's ms counts at most SPIKE times its positions at the
     window's median ms per position: another process's burst must not stick to a choice for a
     window."""
-    self.ms.append(ms)
-    self.positions.append(positions)
     self.history.append((number, ms, positions))
-    ms_, positions_ = np.asarray(self.ms), np.asarray(self.positions)
+    recent = np.array(list(self.history)[-self.window:])
+    ms_, positions_ = recent[:, 1], recent[:, 2]
     clipped = np.minimum(ms_, SPIKE * np.median(ms_ / positions_) * positions_)
+    self.count, self.mean_ms = len(recent), float(ms_.mean())
     self.cost = float(clipped.sum() / positions_.sum())
     self.log_ratios = np.log(clipped / positions_)
 
@@ -182,14 +182,14 @@ class DecodingPolicy:
     self.explore_every = explore_every
     self.window = window
     self.clock = clock
-    self.records = {c: _Record(collections.deque(maxlen=window), collections.deque(maxlen=window),
-                               interval=explore_every) for c in self.choices}
+    self.records = {c: _Record(window, interval=explore_every) for c in self.choices}
     self.current = self.fallback  # the running choice
     self.batches = 0
     self.total_ms = 0.0
     self.excess_ms = 0.0  # what batches of other choices cost beyond the running choice's cost
     self._sigma_cache: Optional[float] = None
     self._advantages: Dict[Any, Tuple[float, float]] = {}  # of this batch: each is read often
+    self._ours: Optional[np.ndarray] = None  # the running choice's history as an array
 
   @property
   def measured(self) -> bool:
@@ -209,7 +209,7 @@ class DecodingPolicy:
       if 0 <= i + step < len(self.choices):
         out.append(self.choices[i + step])
         gain, error = self._advantage(out[-1])
-        if (self.records[out[-1]].ms and gain + Z * error > -MARGIN and
+        if (self.records[out[-1]].count and gain + Z * error > -MARGIN and
             0 <= i + 2 * step < len(self.choices)):
           out.append(self.choices[i + 2 * step])
     return out
@@ -220,7 +220,7 @@ class DecodingPolicy:
     if self._sigma_cache is None:
       squares, dof = PRIOR_SIGMA ** 2 * PRIOR_BATCHES, PRIOR_BATCHES
       for record in self.records.values():
-        if len(record.ms) > 1:
+        if record.count > 1:
           squares += float(np.sum((record.log_ratios - record.log_ratios.mean()) ** 2))
           dof += len(record.log_ratios) - 1
       self._sigma_cache = float(np.sqrt(squares / dof))
@@ -239,16 +239,18 @@ class DecodingPolicy:
     return self._advantages[choice]
 
   def _windows(self, record: _Record, current: _Record) -> Tuple[float, float]:
-    if not record.ms or not current.ms:
+    if not record.count or not current.count:
       return 0.0, float('inf')
-    error = self._sigma() * np.sqrt(1 / len(record.ms) + 1 / len(current.ms))
+    error = self._sigma() * np.sqrt(1 / record.count + 1 / current.count)
     return float(np.log(current.cost / record.cost)), float(error)
 
   def _paired(self, record: _Record, current: _Record) -> Tuple[float, float]:
     if not record.history or not current.history:
       return 0.0, float('inf')
     theirs = np.array(list(record.history)[-self.window:])  # [n, (number, ms, positions)]
-    ours = np.array(current.history)
+    if self._ours is None:  # the running choice's, once a batch for all its neighbours
+      self._ours = np.array(current.history)
+    ours = self._ours
     near = np.abs(ours[None, :, 0] - theirs[:, None, 0]) <= NEAR  # [n, len(ours)]
     counts = near.sum(axis=1)
     paired = counts > 0
@@ -262,13 +264,13 @@ class DecodingPolicy:
 
   def _expected_slowdown(self, choice: Any) -> float:
     """How much slower than the running choice a batch of `choice` is expected to be."""
-    if self.records[choice].ms:
+    if self.records[choice].count:
       return max(0.0, -self._advantage(choice)[0])
     i, j = self.choices.index(self.current), self.choices.index(choice)
     if abs(j - i) == 2:  # past a plateau: as slow as the neighbour in between, if that is
       return max(0.0, -self._advantage(self.choices[(i + j) // 2])[0])
     other = 2 * i - j  # the running choice's neighbour on the other side
-    if 0 <= other < len(self.choices) and self.records[self.choices[other]].ms and (
+    if 0 <= other < len(self.choices) and self.records[self.choices[other]].count and (
         self.records[self.choices[other]].cost > self.records[self.current].cost):
       return 0.0  # the step from there to the running choice saved time: keep going
     return PRIOR_SLOWDOWN
@@ -278,25 +280,25 @@ class DecodingPolicy:
     if choice == self.choices[0]:
       return True
     current = self.records[self.current]
-    batch_ms = sum(current.ms) / len(current.ms)
-    return (self.excess_ms + self._expected_slowdown(choice) * batch_ms <=
-            EXPLORE_SHARE * (self.total_ms + batch_ms))
+    return (self.excess_ms + self._expected_slowdown(choice) * current.mean_ms <=
+            EXPLORE_SHARE * (self.total_ms + current.mean_ms))
 
   def _next(self) -> Any:
-    if not self.measured or not self.records[self.current].ms:  # the first batch: the fallback
+    if not self.measured or not self.records[self.current].count:  # the first batch: fallback
       return self.current
     neighbours, current = self._neighbours(), self.records[self.current]
     for choice in neighbours:  # may be faster, not yet surely: measure it again (or the running
       record = self.records[choice]  # choice, if it has fewer batches: both estimates are noisy)
       gain, error = self._advantage(choice)
-      if record.ms and (gain > MARGIN or gain + Z * error > MARGIN and self._affordable(choice)):
-        return choice if len(record.ms) <= len(current.ms) else self.current
+      if record.count and (gain > MARGIN or
+                           gain + Z * error > MARGIN and self._affordable(choice)):
+        return choice if record.count <= current.count else self.current
     # Untried neighbours within the exploration budget; measured ones when their interval is
     # up (its doubling bounds what re-measuring costs: a neighbour's relative speed can only be
     # known to have changed by measuring it again).
     due = [c for c in neighbours
            if (self.batches - self.records[c].last >= self.records[c].interval
-               if self.records[c].ms else self._affordable(c))]
+               if self.records[c].count else self._affordable(c))]
     if due:  # untried neighbours first (the local search), then the longest unmeasured
       return min(due, key=lambda c: self.records[c].last)
     return self.current
@@ -314,10 +316,10 @@ class DecodingPolicy:
   def observe(self, choice: Any, seconds: float, decodes: Any) -> None:
     """Records a decoded batch: its choice, wall seconds and decodes [batch, (beams,) length]."""
     record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
-    if choice not in (self.current, self.choices[0]) and self.records[self.current].ms:
+    if choice not in (self.current, self.choices[0]) and self.records[self.current].count:
       self.excess_ms += ms - self.records[self.current].cost * positions
     record.add(self.batches, ms, positions)
-    self._sigma_cache, self._advantages = None, {}
+    self._sigma_cache, self._advantages, self._ours = None, {}, None
     record.batches += 1
     record.last = self.batches
     self.batches += 1
@@ -329,7 +331,7 @@ class DecodingPolicy:
     if surely:
       best = max(surely, key=lambda c: advantages[c][0])
       self.records[self.current].interval = self.explore_every
-      self.current, self._advantages = best, {}
+      self.current, self._advantages, self._ours = best, {}, None
     elif choice in advantages and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
       # (A multi-host job runs process 0's choice, which need not neighbour this process's.)
       record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
@@ -363,7 +365,7 @@ class DecodingPolicy:
       return landed
 
     for item in items:
-      while pending and self.measured and not self.records[self.current].ms:
+      while pending and self.measured and not self.records[self.current].count:
         yield land()  # a job's first batch: the search starts from its time
       choice = self.choose(explore=all(c == self.current for _, c, _ in pending))
       if prepare is not None and prepare(choice, item):

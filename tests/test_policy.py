@@ -74,8 +74,9 @@ def test_stream_keeps_batches_in_flight_and_times_each_by_its_share():
     assert len(in_flight) <= policy.IN_FLIGHT
   assert [item for item, _ in seen] == list(range(30)) == dispatched
   for choice, record in decoding_policy.records.items():
-    items = [i for i, c in seen if c == choice][-len(record.ms):]
-    assert list(record.ms) == pytest.approx([costs[choice] * (1 + i / 100) for i in items])
+    items = [i for i, c in seen if c == choice][-len(record.history):]
+    assert [ms for _, ms, _ in record.history] == pytest.approx(
+        [costs[choice] * (1 + i / 100) for i in items])
   explorations = [i for i, (_, c) in enumerate(seen) if c != 0 and i > 2]
   assert all(b - a > policy.IN_FLIGHT for a, b in zip(explorations, explorations[1:]))
 
