@@ -4,9 +4,10 @@ Timing has one mode. A command compiles every configuration it times for every e
 its batches need (`pipeline.Predictor`, compile seconds reported apart), runs one untimed pass
 of each (the outputs it reports), then times all passes round-robin for --rounds rounds
 (`policy.round_robin`): a speedup is the median over rounds of the baseline's pass time over
-the configuration's in the same round, so that slow phases of a shared machine hit both alike.
+the configuration's in the same round, so that slow phases of a shared machine hit both alike;
+within a round the passes take turns every --piece_batches batches (`Compiled.pieces`).
 gamma='auto' is planned and chosen per batch exactly as the infer job does it (`policy.plan`,
-`DecodingPolicy.decode`); its measurements carry over from pass to pass.
+`DecodingPolicy.stream`); each pass is a job from scratch, its search timed with it.
 
 Batches are the first N sentences of Multi30k's test_2016_flickr (German -> English) in file
 order, `batch:N` per batch size (`--sentences 1:80,8:160`), in fixed shapes: output length 64,
@@ -29,8 +30,8 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence
-from typing import Tuple, Union
+from typing import (Any, Callable, Dict, Hashable, Iterator, List, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union)
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,10 @@ def from_row(row: Mapping[str, Any]) -> Setting:
 # Flags.
 
 
+# A pass's piece: at batch 1 on this CPU a fifth of a second, short against the machine's drift.
+PIECE_BATCHES = 16
+
+
 def parser(doc: str, *, sentences: str, gammas: Optional[str] = None,
            rounds: int = 3) -> argparse.ArgumentParser:
   """The flags every command shares, with the command's defaults; `doc` is its docstring."""
@@ -128,6 +133,9 @@ def parser(doc: str, *, sentences: str, gammas: Optional[str] = None,
     p.add_argument('--gammas', default=gammas,
                    help="greedy speculative gammas ('auto': planned as the infer job does)")
   p.add_argument('--rounds', type=int, default=rounds, help='timed round-robin rounds')
+  p.add_argument('--piece_batches', type=int, default=PIECE_BATCHES,
+                 help="batches of a pass run before the next configuration's turn (a round's "
+                      'passes take turns piece by piece)')
   p.add_argument('--machine', default='cpu', help='results go to results/<machine>/')
   p.add_argument('--out_dir', default=None, help='overrides results/<machine>')
   p.add_argument('--data_dir', default=None, help='folder holding multi30k/ (default: '
@@ -239,7 +247,10 @@ def make_pair(target_config: network.T5Config, draft_config: network.T5Config,
 @dataclasses.dataclass
 class Compiled:
   """A setting compiled for every width of `batches`, with its policy; `one_pass` decodes
-  every batch once. choices_used counts each pass's choices (gamma under gamma='auto')."""
+  every batch once, `pieces` does too, in pieces that take turns with other passes'
+  (`policy.round_robin`). Each pass is a job from scratch: under 'auto' a fresh policy, its
+  search (calibration) timed with the job. decoding_policy: the last pass's; choices_used
+  counts every pass's choices (gamma under gamma='auto')."""
   setting: Setting
   predictor: pipeline.Predictor
   decoding_policy: policy.DecodingPolicy
@@ -247,16 +258,23 @@ class Compiled:
   rngs: List[jax.Array]
   choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
-  def one_pass(self) -> Outputs:
+  def pieces(self, batches_per_piece: int) -> Iterator[Outputs]:
     """Every batch once, as the infer job runs them (`DecodingPolicy.stream`: batches in
-    flight; under 'auto' each chosen and timed by the policy, which goes on measuring over the
-    passes; every choice was compiled ahead)."""
-    outputs = []
-    for _, choice, out in self.decoding_policy.stream(
-        zip(self.batches, self.rngs), lambda c, item: self.predictor(c, *item)):
-      self.choices_used[choice] += 1
-      outputs.append(out)
-    return outputs
+    flight; under 'auto' each chosen and timed by the policy), `batches_per_piece` at a time
+    (the batches in flight land at the end of a piece; every choice was compiled ahead)."""
+    self.decoding_policy = self.decoding_policy.fresh()
+    items = list(zip(self.batches, self.rngs))
+    for start in range(0, len(items), batches_per_piece):
+      outputs = []
+      for _, choice, out in self.decoding_policy.stream(
+          items[start:start + batches_per_piece], lambda c, item: self.predictor(c, *item)):
+        self.choices_used[choice] += 1
+        outputs.append(out)
+      yield outputs
+
+  def one_pass(self) -> Outputs:
+    """Every batch once, in one piece."""
+    return next(self.pieces(len(self.batches)))
 
   def info(self) -> Dict[str, Any]:
     """compile_s, and under gamma='auto' the policy's measurements and batches per gamma."""
@@ -291,8 +309,12 @@ def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch],
 
 
 def warm(passes: Mapping[Hashable, Callable[[], Any]]) -> Dict[Hashable, Any]:
-  """One untimed call of every pass (compiles what is left, warms caches): their outputs."""
-  return {key: jax.block_until_ready(one_pass()) for key, one_pass in passes.items()}
+  """One untimed call of every pass (compiles what is left, warms caches): their outputs (a
+  pass in pieces, `Compiled.pieces`: its pieces' outputs, joined)."""
+  outputs = {key: one_pass() for key, one_pass in passes.items()}
+  return {key: jax.block_until_ready([o for piece in out for o in piece]
+                                     if isinstance(out, Iterator) else out)
+          for key, out in outputs.items()}
 
 
 def speedups(times: Mapping[Hashable, Sequence[float]], base: Hashable
@@ -665,8 +687,8 @@ def auto_note(row: Mapping[str, Any]) -> str:
   """One line on a gamma='auto' row: what the policy measured and the batches per gamma."""
   used = ', '.join(f'gamma {g}: {n}' for g, n in row['gammas_used'].items())
   measured = row['policy'].get('measured', {})
-  return (f"{row['name']}: batches per gamma over all passes (the untimed one included): "
-          f'{used}; ms per output position: ' +
+  return (f"{row['name']}: batches per gamma over all passes (the untimed one included), each "
+          f"pass a job from scratch: {used}; the last pass's ms per output position: " +
           ', '.join(f"gamma {g}: {m['ms_per_position']}" for g, m in measured.items()) + '.')
 
 

@@ -18,11 +18,11 @@ varies with the sentence's acceptance). Every fixed choice is timed on the same 
 same draws, so the comparison is the benchmark's interleaved one without its noise between
 rounds.
 
-A job is `passes` passes over the sentences with one policy, as benchmarks.speed times 'auto'
-(an untimed pass, then timed rounds, the measurements carried over). Reported per scenario, over
---seeds seeds: the policy's time on the first pass (a fresh job, its whole search included) and
-on the later passes, relative to the best fixed choice and to the plain decoder (> 1: the policy
-is faster), and the batches it ran per choice. Deterministic for a seed. Writes
+A job is `passes` passes over the sentences with one policy. Reported per scenario, over --seeds
+seeds: the policy's time on the first pass (a fresh job, its whole search included, as
+benchmarks.speed times 'auto') and on the later passes (a long job's later batches, the
+measurements carried over), relative to the best fixed choice and to the plain decoder (> 1:
+the policy is faster), and the batches it ran per choice. Deterministic for a seed. Writes
 results/<machine>/policy_sim.json and .md.
 """
 
@@ -245,8 +245,8 @@ def markdown(results: Mapping[str, Any]) -> str:
            f"{results['meta']['seeds']} seeds", '', f"Command: `{results['meta']['command']}`",
            '', 'Speedup of the policy (time includes its search) over the best fixed choice and '
            'over the plain decoder, mean (min over seeds); "job": a fresh policy\'s first pass, '
-           '"rounds": the median of the later passes with its measurements carried over (as '
-           'benchmarks.speed times it). Fixed speedups: the cost model\'s, over the plain '
+           '"rounds": the median of the later passes with its measurements carried over (a long '
+           'job\'s later batches). Fixed speedups: the cost model\'s, over the plain '
            'decoder.', '']
   rows = []
   for r in results['scenarios']:

@@ -12,7 +12,8 @@ gamma (up to the largest gamma), the same at temperature 1 for --sampling_gammas
 each beam:branching pair, and at batch 1 Hugging Face transformers' assisted generation on the
 same weights converted to T5ForConditionalGeneration (needs `pip install -e '.[hf]'`; skipped
 with a note otherwise). All configurations of a batch size, HF's included, are timed
-round-robin for --rounds rounds after one untimed pass each (see benchmarks.harness).
+round-robin for --rounds rounds after one untimed pass each, taking turns every
+--piece_batches batches (see benchmarks.harness).
 
 Per configuration: median wall time per sentence (compilation excluded, reported as
 compile_s), speedup over the baseline of the same batch size and temperature (median over
@@ -33,6 +34,7 @@ speed_vs_gamma.png and speed_acceptance.png.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -205,7 +207,7 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
                                  args.input_length_step)
   steps = step_probes(pair, batch_size, settings)
   compiled = compile_all(pair, settings, batches, batch_size)
-  passes = {s: c.one_pass for s, c in compiled.items()}
+  passes = {s: functools.partial(c.pieces, args.piece_batches) for s, c in compiled.items()}
   hf = {}
   if batch_size == 1 and not args.no_hf and Setting('baseline') in passes:
     try:

@@ -22,14 +22,14 @@ positions, weighs less; a burst of another process is clipped). A neighbour is c
 the running choice both ways, window against window and side by side (each of its batches
 against the running choice's batches run around it: the machine's speed drifts by more than
 the differences sought), and the less favourable comparison counts. The first batch runs the
-fallback; then the running choice's neighbours (one step more or less speculative) are tried: a
-local search that stops where both neighbours are slower, so a job tries two or three choices,
-not all. A neighbour replaces the running choice only once it is faster by a margin beyond the
+fallback; then the running choice's neighbours (one step more or less speculative, the more
+speculative first, and the plain decoder, always within reach) are tried: a local search that
+stops where both neighbours are slower, so a job tries two to four choices, not all. A neighbour replaces the running choice only once it is faster by a margin beyond the
 noise of the estimates (the noise of one batch pooled over the job's batches); while it may be
 faster, it (or the running choice, if that has fewer batches) runs again. Exploration is
 bounded: batches of untried choices may cost at most `EXPLORE_SHARE` of the job's time beyond
-the running choice's (an untried, more speculative neighbour is assumed slower unless the last
-step toward it saved time); the plain decoder is exempt, as time on it is never lost against
+the running choice's (an untried neighbour is assumed slower unless the step from the
+nearest measured choice on the other side saved time); the plain decoder is exempt, as time on it is never lost against
 decoding without speculation. A neighbour that is surely not faster is re-measured
 `explore_every` batches after it last ran, and twice as long after each time, so a long job
 follows changes at a cost that shrinks. A job shorter than the search runs the fallback, and
@@ -56,11 +56,12 @@ from speculative_t5x import models
 
 AUTO = 'auto'
 # gamma='auto' candidates: 0 (the target alone) to MAX_GAMMA, each one compiled loop. The first
-# batch runs FALLBACK_GAMMA when greedy (the fastest gamma measured at batch 1 on the project's
-# CPU), the target alone when sampling (at T=1 the draft's tokens are accepted about half as
-# often, and speculation did not pay there at any batch size).
+# batch runs FALLBACK_GAMMA when greedy (on the project's CPU the fastest gamma at batch 8 and
+# within 1% of the fastest at 32, where a 192-sentence job is too short to search, and halfway to
+# the fastest at batch 1), the target alone when sampling (at T=1 the draft's tokens are
+# accepted about half as often, and speculation rarely paid there).
 MAX_GAMMA = 4
-FALLBACK_GAMMA = 1
+FALLBACK_GAMMA = 2
 # branching='auto' candidates, () = beam_search itself (the fallback: a tree call over 4 beams is
 # arithmetic-bound on a CPU and did not pay there).
 TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
@@ -102,15 +103,31 @@ def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
   """Seconds of every pass in each of `repeats` rounds, blocking on each pass's result.
 
   The passes take turns within a round, so that slow phases of a shared machine hit all of them
-  alike; compare them within a round (`relative_medians`), never across runs. Warm the passes
-  up (compile them) first. The benchmarks and the translate command time with it.
+  alike; compare them within a round (`relative_medians`), never across runs. A pass that
+  returns an iterator runs piece by piece (each `next` a piece, blocked on), its pieces taking
+  turns with the other such passes' pieces: the machine's speed drifts within a pass of a few
+  seconds by more than the differences sought. Warm the passes up (compile them) first. The
+  benchmarks and the translate command time with it.
   """
-  times = {key: [] for key in passes}
+  times: Dict[Hashable, List[float]] = {key: [] for key in passes}
   for _ in range(repeats):
+    running = {}
     for key, one_pass in passes.items():
       start = clock()
-      jax.block_until_ready(one_pass())
+      result = one_pass()
+      if not isinstance(result, Iterator):
+        jax.block_until_ready(result)
       times[key].append(clock() - start)
+      if isinstance(result, Iterator):
+        running[key] = result
+    while running:
+      for key in list(running):
+        start = clock()
+        try:
+          jax.block_until_ready(next(running[key]))
+        except StopIteration:
+          del running[key]
+        times[key][-1] += clock() - start
   return times
 
 
@@ -191,6 +208,11 @@ class DecodingPolicy:
     self._advantages: Dict[Any, Tuple[float, float]] = {}  # of this batch: each is read often
     self._ours: Optional[np.ndarray] = None  # the running choice's history as an array
 
+  def fresh(self) -> 'DecodingPolicy':
+    """A policy with the same choices and settings and no measurements: the next job's."""
+    return DecodingPolicy(self.choices, self.setting, self.fallback, self.window,
+                          self.explore_every, self.clock)
+
   @property
   def measured(self) -> bool:
     """Whether batches choose between several decoders."""
@@ -212,6 +234,8 @@ class DecodingPolicy:
         if (self.records[out[-1]].count and gain + Z * error > -MARGIN and
             0 <= i + 2 * step < len(self.choices)):
           out.append(self.choices[i + 2 * step])
+    if self.choices[0] not in out + [self.current]:
+      out.append(self.choices[0])
     return out
 
   def _sigma(self) -> float:
@@ -269,9 +293,10 @@ class DecodingPolicy:
     i, j = self.choices.index(self.current), self.choices.index(choice)
     if abs(j - i) == 2:  # past a plateau: as slow as the neighbour in between, if that is
       return max(0.0, -self._advantage(self.choices[(i + j) // 2])[0])
-    other = 2 * i - j  # the running choice's neighbour on the other side
-    if 0 <= other < len(self.choices) and self.records[self.choices[other]].count and (
-        self.records[self.choices[other]].cost > self.records[self.current].cost):
+    step = i - j  # toward the other side: its nearest measured choice
+    others = [self.records[c] for c in (self.choices[i + step::step] if i + step >= 0 else ())
+              if self.records[c].count]
+    if others and others[0].cost > self.records[self.current].cost:
       return 0.0  # the step from there to the running choice saved time: keep going
     return PRIOR_SLOWDOWN
 
@@ -299,8 +324,9 @@ class DecodingPolicy:
     due = [c for c in neighbours
            if (self.batches - self.records[c].last >= self.records[c].interval
                if self.records[c].count else self._affordable(c))]
-    if due:  # untried neighbours first (the local search), then the longest unmeasured
-      return min(due, key=lambda c: self.records[c].last)
+    if due:  # untried neighbours first (the local search; the more speculative first, where
+      # greedy decoding gains most), then the longest unmeasured
+      return min(due, key=lambda c: (self.records[c].last, -self.choices.index(c)))
     return self.current
 
   def choose(self, explore: bool = True) -> Any:
@@ -419,7 +445,7 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   """
   name = _name(model.decode_fn)
   if name == _name(decoding.speculative_sample) and decode_kwargs.get('gamma') == AUTO:
-    fallback = fallback_gamma(decode_kwargs.get('temperature', 1.0))  # the decoder's default
+    fallback = min(fallback_gamma(decode_kwargs.get('temperature', 1.0)), max_gamma)
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, **policy_kwargs),
             gamma_decoders(model, decode_kwargs, max_gamma))
   if (name == _name(beam_search.speculative_beam_search) and

@@ -22,35 +22,38 @@ def _run_job(decoding_policy, device, cost_ms, batches=40, positions=10):
       range(batches), lambda choice, _: device.dispatch(cost_ms[choice] * positions, decodes))]
 
 
-def _gamma_policy(clock, **kwargs):
-  return policy.DecodingPolicy(range(5), 'gamma', policy.FALLBACK_GAMMA, clock=clock, **kwargs)
+def _gamma_policy(clock, fallback=policy.FALLBACK_GAMMA, **kwargs):
+  return policy.DecodingPolicy(range(5), 'gamma', fallback, clock=clock, **kwargs)
 
 
 def test_picks_the_plain_decoder_when_speculation_is_slower():
   device = policy_sim.Device()
   costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}
   choices = _run_job(_gamma_policy(device), device, costs)
-  # The fallback (awaited: the search starts from it), its neighbour, the running choice while
-  # that is in flight (policy.IN_FLIGHT batches), then the neighbour, confirmed faster.
-  assert policy.IN_FLIGHT == 2 and choices[:5] == [1, 0, 1, 1, 0]
-  assert set(choices) == {0, 1}  # a local search: 0 has no cheaper neighbour; 2-4 never run
+  # The fallback gamma 2 (awaited: the search starts from it), the plain decoder (always a
+  # neighbour, outside the exploration budget), the running choice while that is in flight
+  # (policy.IN_FLIGHT batches), then the plain decoder, confirmed faster.
+  assert policy.FALLBACK_GAMMA == 2 and policy.IN_FLIGHT == 2
+  assert choices[:5] == [2, 0, 2, 2, 0]
+  assert set(choices) == {0, 2}  # 0 has no cheaper neighbour; trying 1 would cost too much
   assert choices[-10:].count(0) >= 9
-  time = sum(costs[c] for c in choices)
-  assert time <= 1.03 * 40 * costs[0]  # exploration is bounded
+  # What it cost beyond the plain decoder: the fallback's batches (the first, and two behind the
+  # plain decoder's first), no more.
+  assert sum(costs[c] for c in choices) == pytest.approx(40 * costs[0] + 3 * (costs[2] - costs[0]))
 
 
 def test_picks_a_speculative_decoder_when_it_is_faster():
   device = policy_sim.Device()
-  costs = {0: 2.0, 1: 1.4, 2: 1.1, 3: 1.2, 4: 1.5}
+  costs = {0: 2.0, 1: 1.4, 2: 1.2, 3: 1.1, 4: 1.0}
   decoding_policy = _gamma_policy(device)
   choices = _run_job(decoding_policy, device, costs)
-  # Climbs from the fallback to the fastest (24% faster than gamma 1: beyond a batch's noise),
-  # tries the next one, which is slower, and stays.
-  assert choices[:8] == [1, 0, 1, 1, 2, 1, 1, 2]
-  assert 4 not in choices and choices[-10:].count(2) >= 9
+  # The fallback, the plain decoder (slower: the search goes on the other way, the more
+  # speculative first), then climbs a step at a time, each confirmed faster, to the fastest.
+  assert choices[:10] == [2, 0, 2, 2, 3, 2, 2, 3, 3, 4]
+  assert 1 not in choices and choices[-10:].count(4) >= 9
   summary = decoding_policy.summary()
-  assert summary['best'] == 2 and not summary['fallback_only']
-  assert summary['measured']['2']['ms_per_position'] == pytest.approx(1.1)
+  assert summary['best'] == 4 and not summary['fallback_only']
+  assert summary['measured']['4']['ms_per_position'] == pytest.approx(1.0)
 
 
 def test_stream_keeps_batches_in_flight_and_times_each_by_its_share():
@@ -102,7 +105,7 @@ def test_stream_does_not_record_batches_that_shared_the_cores_with_a_compile():
 def test_follows_drift_by_re_measuring_neighbours():
   device = policy_sim.Device()
   costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}
-  decoding_policy = _gamma_policy(device, window=4, explore_every=4)
+  decoding_policy = _gamma_policy(device, fallback=1, window=4, explore_every=4)
   _run_job(decoding_policy, device, costs, batches=20)
   costs.update({0: 2.0, 1: 1.0})  # the machine changes: speculation now pays
   # Neighbours are compared side by side, so the change shows when gamma 1 is re-measured (its
@@ -145,7 +148,7 @@ def test_exploration_of_a_slower_tree_is_bounded():
 def test_a_short_job_runs_the_fallback_and_says_so():
   device = policy_sim.Device()
   decoding_policy = _gamma_policy(device)
-  assert _run_job(decoding_policy, device, {g: 1.0 for g in range(5)}, batches=1) == [1]
+  assert _run_job(decoding_policy, device, {g: 1.0 for g in range(5)}, batches=1) == [2]
   assert decoding_policy.summary()['fallback_only']
   fixed = policy.DecodingPolicy((None,))
   assert not fixed.measured and fixed.summary() == {}
@@ -157,9 +160,9 @@ def test_a_choice_that_is_not_a_neighbour_is_recorded():
   reached: it is recorded like any batch."""
   decoding_policy = _gamma_policy(policy_sim.Device())
   decodes = np.full((1, 4), 5, np.int32)
-  decoding_policy.observe(1, 0.01, decodes)
-  decoding_policy.observe(4, 0.01, decodes)  # gamma 4: not a neighbour of the running gamma 1
-  assert decoding_policy.records[4].batches == 1 and decoding_policy.best() == 1
+  decoding_policy.observe(2, 0.01, decodes)
+  decoding_policy.observe(4, 0.01, decodes)  # gamma 4: not a neighbour of the running gamma 2
+  assert decoding_policy.records[4].batches == 1 and decoding_policy.best() == 2
 
 
 def test_output_positions_is_the_longest_output():
@@ -167,6 +170,28 @@ def test_output_positions_is_the_longest_output():
   assert policy.output_positions(decodes) == 3
   assert policy.output_positions(decodes[:, None]) == 3  # with a beam axis
   assert policy.output_positions(np.zeros((2, 4))) == 1
+
+
+def test_round_robin_runs_passes_in_pieces_that_take_turns():
+  clock, order = policy_sim.Device(), []
+
+  def pieces(name, costs):
+    def one_pass():
+      for cost in costs:
+        order.append(name)
+        clock.now += cost
+        yield cost
+    return one_pass
+
+  def whole():
+    order.append('whole')
+    clock.now += 5.0
+    return 5.0
+
+  times = policy.round_robin({'a': pieces('a', [1.0, 2.0]), 'b': pieces('b', [3.0]),
+                              'whole': whole}, repeats=2, clock=clock)
+  assert order == ['whole', 'a', 'b', 'a'] * 2
+  assert times == {'a': [3.0, 3.0], 'b': [3.0, 3.0], 'whole': [5.0, 5.0]}
 
 
 def test_expected_tokens_is_the_papers_formula():
@@ -211,7 +236,7 @@ def test_infer_with_gamma_auto_equals_a_fixed_gamma(setup, tmp_path):  # noqa: F
   assert [r['prediction'] for r in _outputs(tmp_path / 'auto')] == [
       r['prediction'] for r in _outputs(tmp_path / 'fixed')]
   info = auto['policy']
-  assert info['setting'] == 'gamma' and info['batch_size'] == 2 and info['fallback'] == 1
+  assert info['setting'] == 'gamma' and info['batch_size'] == 2 and info['fallback'] == 2
   assert sum(info['examples_by_choice'].values()) == 12
   used = {r['aux']['stats']['gamma'] for r in _outputs(tmp_path / 'auto')}
   assert used <= {0, 1, 2} and len(used) >= 2  # 6 batches: the search tried a neighbour
