@@ -24,15 +24,16 @@ against the running choice's batches run around it: the machine's speed drifts b
 the differences sought), and the less favourable comparison counts. The first batch runs the
 fallback; then the running choice's neighbours (one step more or less speculative, the more
 speculative first, and the plain decoder, always within reach) are tried: a local search that
-stops where both neighbours are slower, so a job tries two to four choices, not all. A neighbour replaces the running choice only once it is faster by a margin beyond the
-noise of the estimates (the noise of one batch pooled over the job's batches); while it may be
+stops where both neighbours are slower, so a job tries two to four choices, not all. A
+neighbour replaces the running choice only once it is faster by a margin beyond the noise of
+the estimates (the noise of one batch pooled over the job's batches); while it may be
 faster, it (or the running choice, if that has fewer batches) runs again. Exploration is
 bounded: batches of untried choices may cost at most `EXPLORE_SHARE` of the job's time beyond
 the running choice's (an untried neighbour is assumed slower unless the step from the
-nearest measured choice on the other side saved time); the plain decoder is exempt, as time on it is never lost against
-decoding without speculation. A neighbour that is surely not faster is re-measured
-`explore_every` batches after it last ran, and twice as long after each time, so a long job
-follows changes at a cost that shrinks. A job shorter than the search runs the fallback, and
+nearest measured choice on the other side saved time); the plain decoder is exempt, as time on
+it is never lost against decoding without speculation. A neighbour that is surely not faster
+is re-measured `explore_every` batches after it last ran, and twice as long after each time, so
+a long job follows changes at a cost that shrinks. A job shorter than the search runs the fallback, and
 its summary says so.
 
 BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
@@ -115,11 +116,11 @@ def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
     for key, one_pass in passes.items():
       start = clock()
       result = one_pass()
-      if not isinstance(result, Iterator):
+      if isinstance(result, Iterator):
+        running[key] = result  # (a generator has not started yet)
+      else:
         jax.block_until_ready(result)
       times[key].append(clock() - start)
-      if isinstance(result, Iterator):
-        running[key] = result
     while running:
       for key in list(running):
         start = clock()
