@@ -33,8 +33,8 @@ the running choice's (an untried neighbour is assumed slower unless the step fro
 nearest measured choice on the other side saved time); the plain decoder is exempt, as time on
 it is never lost against decoding without speculation. A neighbour that is surely not faster
 is re-measured `explore_every` batches after it last ran, and twice as long after each time, so
-a long job follows changes at a cost that shrinks. A job shorter than the search runs the fallback, and
-its summary says so.
+a long job follows changes at a cost that shrinks. A job shorter than the search runs the
+fallback, and its summary says so.
 
 BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
 """
