@@ -71,8 +71,8 @@ def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert 'predicted_speedup' in rows['speculative gamma=1 T=0']
   # 'auto' chooses per batch as the infer job does: the fallback first, then a local search.
   auto = rows['speculative gamma=auto T=0']
-  assert '1' in auto['gammas_used'] and set(auto['gammas_used']) <= {'0', '1', '2', '3'}
-  assert auto['policy']['fallback'] == 1 and auto['policy']['measured']
+  assert '2' in auto['gammas_used'] and set(auto['gammas_used']) <= {'0', '1', '2', '3', '4'}
+  assert auto['policy']['fallback'] == 2 and auto['policy']['measured']
   assert '| speculative gamma=1 T=0 |' in (tmp_path / 'speed.md').read_text()
 
 

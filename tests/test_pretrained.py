@@ -90,9 +90,10 @@ def test_pipeline_decodes_strings_to_the_target_greedy_texts(loaded, sentences, 
   assert speculative.schedule == {4: {None: 2}}  # 6 sentences: 2 batches of 4 rows
   assert speculative.stats['target_calls'].shape == (6,)
   assert (speculative.stats['accepted'] > 0).any()
-  auto = pipe.decode(sentences)  # gamma='auto': the fallback, then its neighbour
-  assert auto.texts == want and auto.schedule == {4: {1: 1, 0: 1}}
-  assert auto.policy['setting'] == 'gamma' and set(auto.policy['measured']) == {'0', '1'}
+  auto = pipe.decode(sentences)  # gamma='auto': the fallback, then the plain decoder
+  assert policy.FALLBACK_GAMMA == 2
+  assert auto.texts == want and auto.schedule == {4: {2: 1, 0: 1}}
+  assert auto.policy['setting'] == 'gamma' and set(auto.policy['measured']) == {'0', '2'}
   assert pipe.decode(sentences).texts == want  # the policy goes on measuring across calls
   # compile() compiles every gamma ahead, so that no later decode compiles (the translate
   # command times decode calls).
