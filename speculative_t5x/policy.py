@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import itertools
 import time
 from typing import (Any, Callable, Deque, Dict, Hashable, Iterable, Iterator, List, Mapping,
                     Optional, Sequence, Tuple)
@@ -161,6 +162,8 @@ class _Record:
   interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
   history: Deque[Tuple[int, float, int]] = dataclasses.field(
       default_factory=lambda: collections.deque(maxlen=HISTORY))
+  recent: np.ndarray = dataclasses.field(  # the window's batches [count, (number, ms, positions)]
+      default_factory=lambda: np.zeros((0, 3)))
   count: int = 0  # batches in the window
   mean_ms: float = 0.0  # their mean ms
   cost: float = float('inf')  # ms per output position: a ratio of sums over the window
@@ -171,10 +174,11 @@ class _Record:
     window's median ms per position: another process's burst must not stick to a choice for a
     window."""
     self.history.append((number, ms, positions))
-    recent = np.array(list(self.history)[-self.window:])
-    ms_, positions_ = recent[:, 1], recent[:, 2]
+    self.recent = np.array(list(itertools.islice(
+        self.history, max(0, len(self.history) - self.window), None)))
+    ms_, positions_ = self.recent[:, 1], self.recent[:, 2]
     clipped = np.minimum(ms_, SPIKE * np.median(ms_ / positions_) * positions_)
-    self.count, self.mean_ms = len(recent), float(ms_.mean())
+    self.count, self.mean_ms = len(self.recent), float(ms_.mean())
     self.cost = float(clipped.sum() / positions_.sum())
     self.log_ratios = np.log(clipped / positions_)
 
@@ -272,7 +276,7 @@ class DecodingPolicy:
   def _paired(self, record: _Record, current: _Record) -> Tuple[float, float]:
     if not record.history or not current.history:
       return 0.0, float('inf')
-    theirs = np.array(list(record.history)[-self.window:])  # [n, (number, ms, positions)]
+    theirs = record.recent
     if self._ours is None:  # the running choice's, once a batch for all its neighbours
       self._ours = np.array(current.history)
     ours = self._ours
