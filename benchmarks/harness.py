@@ -44,6 +44,7 @@ from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import pipeline
 from speculative_t5x import policy
+from speculative_t5x import trees
 
 INPUT_LENGTH = 64
 INPUT_LENGTH_STEP = 16  # encoder width: each batch's longest input rounded up to this
@@ -58,34 +59,42 @@ Outputs = List[Tuple[Any, Dict[str, Any]]]  # one pass: (decodes, aux) per batch
 
 class Setting(NamedTuple):
   """One decoding configuration."""
-  method: str      # 'baseline', 'speculative', 'bild', 'beam' or 'speculative_beam'
+  method: str      # 'baseline', 'speculative', 'tree', 'bild', 'beam' or 'speculative_beam'
   temperature: float = 0.0
   gamma: Union[int, str] = 0     # speculative: (maximum) draft tokens per target call, or 'auto'
   adaptive: bool = False
   fallback: float = 0.0          # bild
   rollback: float = 0.0          # bild
   beam: int = 0                  # beam and speculative_beam: the beam size (num_decodes)
-  branching: str = ''            # speculative_beam: the token tree's children per depth, '4,2'
+  branching: str = ''            # tree, speculative_beam: the token tree's children per depth
+  topp: float = 0.0              # baseline and speculative: nucleus sampling
+  verification: str = 'token'    # speculative: 'token' or 'block' (decoding.VERIFICATIONS)
 
   @property
   def name(self) -> str:
+    sampling = f'T={self.temperature:g}' + (f' top-p={self.topp:g}' if self.topp else '')
     if self.method == 'baseline':
-      return f'target-only T={self.temperature:g}'
+      return f'target-only {sampling}'
     if self.method == 'bild':
       return f'BiLD fb={self.fallback:g} rb={self.rollback:g}'
     if self.method == 'beam':
       return f'beam_search beam={self.beam}'
     if self.method == 'speculative_beam':
       return f'speculative beam={self.beam} tree={self.branching}'
+    if self.method == 'tree':
+      return f'tree ({self.branching}) {sampling}'
     gamma = f'adaptive<={self.gamma}' if self.adaptive else f'gamma={self.gamma}'
-    return f'speculative {gamma} T={self.temperature:g}'
+    block = ' block' if self.verification == 'block' else ''
+    return f'speculative {gamma}{block} {sampling}'
 
   @property
   def baseline(self) -> 'Setting':
     """What this setting's speedup is measured against (the same search on the target alone)."""
     if self.method in ('beam', 'speculative_beam'):
       return Setting('beam', beam=self.beam)
-    return Setting('baseline', self.temperature if self.method != 'bild' else 0.0)
+    if self.method == 'bild':
+      return Setting('baseline')
+    return Setting('baseline', self.temperature, topp=self.topp)
 
   @property
   def tree(self) -> Tuple[int, ...]:
@@ -102,12 +111,17 @@ class Setting(NamedTuple):
       return beam_search.speculative_beam_search, {'alpha': BEAM_ALPHA, 'branching': branching}
     if self.method == 'baseline':
       # topk=0: T5X's temperature_sample defaults to top-1, i.e. greedy even at temperature 1.
-      return decoding.temperature_sample, {'temperature': self.temperature, 'topk': 0}
+      return decoding.temperature_sample, {'temperature': self.temperature, 'topk': 0,
+                                           'topp': self.topp}
+    if self.method == 'tree':
+      return trees.tree_speculative_sample, {'temperature': self.temperature, 'topp': self.topp,
+                                             'branching': self.tree}
     if self.method == 'bild':
       return decoding.bild_decode, {'fallback_threshold': self.fallback,
                                     'rollback_threshold': self.rollback, 'temperature': 0.0}
     return decoding.speculative_sample, {'temperature': self.temperature, 'gamma': self.gamma,
-                                         'adaptive_gamma': self.adaptive}
+                                         'adaptive_gamma': self.adaptive, 'topp': self.topp,
+                                         'verification': self.verification}
 
 
 def from_row(row: Mapping[str, Any]) -> Setting:

@@ -32,6 +32,8 @@ from jax import lax
 
 from speculative_t5x.decoding import DecodeStats, DecodingState, TreeDecodingState, cache_map
 from speculative_t5x.decoding import match_container
+from speculative_t5x.trees import TokenTree, token_tree
+from speculative_t5x.trees import call_tree as _call_tree
 
 Array = jnp.ndarray
 PyTree = Any
@@ -332,62 +334,6 @@ def beam_search(inputs: Array,
 # Speculative beam search: the same search, several steps per target call.
 
 
-class TokenTree(NamedTuple):
-  """The static shape of a draft tree: every node at depth d has branching[d] children.
-
-  Nodes are numbered breadth first (the root is 0, each level follows the previous one, the
-  children of a node are contiguous), which is also the order of their cache slots.
-  Shapes: `nodes` = 1 + b0 + b0 b1 + ..., `max_depth` = len(branching).
-
-  depths:       [nodes] int32, root 0.
-  ancestors:    [nodes, nodes] bool, ancestors[n, m]: m is n or an ancestor of n.
-  paths:        [nodes, max_depth + 1] int32, the root-to-node path of n (padded with n).
-  children:     [nodes, max(branching)] int32, child ids, -1 where there is none.
-  level_starts: the first node of each level, then `nodes` (Python ints, max_depth + 2 of them).
-  """
-  depths: np.ndarray
-  ancestors: np.ndarray
-  paths: np.ndarray
-  children: np.ndarray
-  level_starts: Tuple[int, ...]
-
-  @property
-  def nodes(self) -> int:
-    return self.level_starts[-1]
-
-  @property
-  def max_depth(self) -> int:
-    return len(self.level_starts) - 2
-
-
-def token_tree(branching: Sequence[int]) -> TokenTree:
-  """The `TokenTree` in which each node at depth d has branching[d] children."""
-  branching = tuple(int(b) for b in branching)
-  if not branching or min(branching) < 1:
-    raise ValueError(f'branching must be a non-empty sequence of positive ints, got {branching}.')
-  parents, depths, level_starts = [-1], [0], [0, 1]
-  for depth, width in enumerate(branching):
-    for parent in range(level_starts[depth], level_starts[depth + 1]):
-      parents += [parent] * width
-      depths += [depth + 1] * width
-    level_starts.append(len(parents))
-  nodes, max_depth = len(parents), len(branching)
-  ancestors = np.zeros((nodes, nodes), bool)
-  paths = np.zeros((nodes, max_depth + 1), np.int32)
-  children = np.full((nodes, max(branching)), -1, np.int32)
-  for n in range(nodes):
-    m = n
-    while m >= 0:
-      ancestors[n, m] = True
-      paths[n, depths[m]] = m
-      m = parents[m]
-    paths[n, depths[n] + 1:] = n
-  for n in range(1, nodes):
-    free = np.argmax(children[parents[n]] < 0)  # children are listed in node order
-    children[parents[n], free] = n
-  return TokenTree(np.asarray(depths, np.int32), ancestors, paths, children, tuple(level_starts))
-
-
 @flax.struct.dataclass
 class _TreeCursor:
   """Where each live beam is in the verified tree during a replay, [batch * beam] int32 each.
@@ -439,25 +385,6 @@ class SpeculativeBeamState:
   stats: DecodeStats
   votes: _Votes
   progressed: Array
-
-
-def _call_tree(fn: Callable, tokens: Array, index: Array, cache: PyTree, sequences: Array,
-               tree: Optional[TokenTree] = None, end: int = 0) -> Tuple[Array, PyTree]:
-  """Feeds the nodes end - k..end-1 of `tree` (tokens [rows, k]) -> (logits [rows, k, vocab]).
-
-  Without a tree, the tokens are a chain at index..index+k-1 (a plain `DecodingState`).
-  """
-  fields = dict(cur_index=index, sequences=sequences, cur_token=tokens, cache=cache)
-  if tree is None:
-    state = DecodingState(**fields)
-  else:
-    start = end - tokens.shape[1]
-    state = TreeDecodingState(**fields, tree_depths=jnp.asarray(tree.depths[:end]),
-                              tree_mask=jnp.asarray(tree.ancestors[start:end, :end]))
-  logits, new_cache = fn(state)
-  if logits.ndim == 2:  # [rows, vocab] for one token, as T5X's callables return
-    logits = logits[:, None]
-  return logits.astype(jnp.float32), match_container(new_cache, cache)
 
 
 def _draft_tree(tree: TokenTree, branching: Tuple[int, ...], draft_fn: Callable,

@@ -52,6 +52,8 @@ Array = jnp.ndarray
 PyTree = Any
 
 MIN_TEMPERATURE = 1e-4
+# How speculative sampling judges a draft (`speculative_sample`'s `verification`).
+VERIFICATIONS = ('token', 'block')
 # Logit given to masked tokens (T5X's value): finite, so no inf - inf in the arithmetic.
 NEG_INF = -1e7
 
@@ -428,6 +430,7 @@ class _LoopConfig(NamedTuple):
   adaptive_gamma: bool
   eos_id: int
   noise_period: int = 0
+  block: bool = False  # block verification (speculative rule, lenience 1) instead of per token
 
   @property
   def greedy(self) -> bool:
@@ -549,22 +552,82 @@ def _verify_sampled(cfg: _LoopConfig, logits: Array, forced_chunk: Array, draft:
                    _at(log_probs, extra[:, None]))
   p = jnp.exp(log_p)
   gamma = k - 1
-  p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
-  in_proposal = jnp.arange(gamma)[None] < draft.num_proposed[:, None]
-  accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], draft.tokens)
-  uniform = jax.random.uniform(accept_rng, (batch, gamma))
-  accepted_at = jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1)
-  num_accepted = jnp.sum(accepted_at, axis=1)
-  q_next = jnp.where((num_accepted < draft.num_proposed)[:, None],
-                     draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
+  if cfg.block:
+    num_accepted, weights = _block_verdict(p, draft, jax.random.uniform(accept_rng, (batch, k)))
+    p_next = p[rows, num_accepted]
+  else:
+    p_raw = jnp.exp(_force(jax.nn.log_softmax(logits), forced_chunk))
+    in_proposal = jnp.arange(gamma)[None] < draft.num_proposed[:, None]
+    accept = cfg.rule.accept_prob(p[:, :gamma], draft.probs, p_raw[:, :gamma], draft.tokens)
+    uniform = jax.random.uniform(accept_rng, (batch, gamma))
+    num_accepted = jnp.sum(
+        jnp.cumprod(((uniform < accept) & in_proposal).astype(jnp.int32), axis=1), axis=1)
+    q_next = jnp.where((num_accepted < draft.num_proposed)[:, None],
+                       draft.probs[rows, jnp.minimum(num_accepted, gamma - 1)], 0.0)
+    p_next = p[rows, num_accepted]
+    weights = cfg.rule.correction(p_next, q_next)
+  accepted_at = (jnp.arange(gamma)[None] < num_accepted[:, None]).astype(jnp.int32)
   emitted = jnp.concatenate([draft.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-  p_next = p[rows, num_accepted]
-  weights = cfg.rule.correction(p_next, q_next)
   # p == q exactly leaves no residual but then nothing can be rejected; guard the 0/0 anyway.
   weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p_next)
   extra = _sample(extra_rng, weights)
   emitted = jnp.where(jnp.arange(k)[None] == num_accepted[:, None], extra[:, None], emitted)
   return Verdict(accepted_at, num_accepted, extra, _at(log_probs, emitted))
+
+
+def _running_weights(ratio: Array) -> Array:
+  """w_0 = 1, w_i = min(1, w_{i-1} ratio_i): [batch, gamma] -> [batch, gamma + 1]."""
+  weights = [jnp.ones(ratio.shape[:1], jnp.float32)]
+  for i in range(ratio.shape[1]):  # gamma is static and small: the clipped product, unrolled
+    weights.append(jnp.minimum(1.0, weights[-1] * ratio[:, i]))
+  return jnp.stack(weights, axis=1)
+
+
+def _stop_probability(residual_mass: Array, weight: Array) -> Array:
+  """h = r / (r + 1 - w); 0 where r = 0 and w = 1 (p = q there: stopping has nothing to emit)."""
+  denominator = residual_mass + 1.0 - weight
+  safe = jnp.where(denominator > 0, denominator, 1.0)
+  return jnp.where(denominator > 0, residual_mass / safe, 0.0)
+
+
+def block_stops(p: Array, q: Array, tokens: Array, num_proposed: Array) -> Tuple[Array, Array]:
+  """Block verification's stop probabilities and residuals (Sun et al., ICLR 2025).
+
+  p [batch, gamma + 1, vocab]: the target's sampling distributions after 0..gamma draft tokens;
+  q [batch, gamma, vocab]: the draft's, tokens [batch, gamma] its proposals x_1..x_gamma, of
+  which the first num_proposed [batch] count (n). From the running weight w_0 = 1,
+  w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)) and the residual after i tokens,
+  max(w_i p_{i+1} - q_{i+1}, 0) (q_{n+1} = 0, so its mass r_n is w_n), the stop probability is
+  h_i = r_i / (r_i + 1 - w_i) for 0 < i <= n, h_0 = 1, 0 beyond n.
+  Returns (h [batch, gamma + 1], residual [batch, gamma + 1, vocab], unnormalised).
+  """
+  k = p.shape[1]
+  q = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)
+  position = jnp.arange(k)[None]
+  q = jnp.where((position < num_proposed[:, None])[..., None], q, 0.0)
+  ratio = _at(p[:, :-1], tokens) / jnp.maximum(_at(q[:, :-1], tokens), 1e-30)
+  w = _running_weights(ratio)
+  residual = jnp.maximum(w[..., None] * p - q, 0.0)
+  h = _stop_probability(jnp.sum(residual, axis=-1), w)
+  h = jnp.where(position == 0, 1.0, jnp.where(position <= num_proposed[:, None], h, 0.0))
+  return h, residual
+
+
+def _block_verdict(p: Array, draft: Draft, uniform: Array) -> Tuple[Array, Array]:
+  """Block verification: (num_accepted [batch], correction weights [batch, vocab]).
+
+  The row keeps x_1..x_tau, tau = max{i : u_i <= h_i} (`block_stops`; uniform [batch,
+  gamma + 1]), and emits a token from its residual max(w_tau p_{tau+1} - q_{tau+1}, 0): a late
+  high ratio can rescue an early low one, and the output is the target's distribution. With
+  one-hot (greedy) p and q, w_i is 1 up to the first mismatch and 0 after: the greedy rule.
+  A row that stopped drafting early (n < gamma) is judged as the block of a draft that proposes
+  from p itself after its stop (ratios 1, no residual there): the same verdict, so the stop,
+  which depends on the proposals only, keeps the guarantee.
+  """
+  h, residual = block_stops(p, draft.probs, draft.tokens, draft.num_proposed)
+  position = jnp.arange(h.shape[1])[None]
+  num_accepted = jnp.max(jnp.where(uniform <= h, position, 0), axis=1)
+  return num_accepted, residual[jnp.arange(h.shape[0]), num_accepted]
 
 
 def _commit(cfg: _LoopConfig, state: LoopState, verdict: Verdict, proposals: Array,
@@ -628,11 +691,8 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
   gamma = cfg.gamma
   rows = jnp.arange(batch)
   offsets = jnp.arange(gamma + 1)
-  seq_len = max_len + gamma + 2
-  forced = jnp.zeros((batch, seq_len), jnp.int32).at[:, 1:max_len].set(inputs[:, 1:])
-  limit = jnp.full((batch,), max_len, jnp.int32)
-  if max_decode_steps is not None:
-    limit = jnp.minimum(limit, jnp.sum(inputs != 0, axis=1) + max_decode_steps)
+  init, forced, limit = start_loop(inputs, target_cache, draft_cache, rng, gamma,
+                                   max_decode_steps, initial_index)
 
   def body(state: LoopState) -> LoopState:
     rng = state.rng
@@ -673,6 +733,23 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
                      log_prob=state.log_prob + log_prob, rng=rng,
                      stats=_count(state.stats, ~state.ended, draft, verdict, count))
 
+  final = jax.lax.while_loop(lambda s: ~jnp.all(s.ended), body, init)
+  return final.sequences[:, 1:max_len + 1], final.log_prob, final.stats
+
+
+def start_loop(inputs: Array, target_cache: Any, draft_cache: Any, rng: Array, gamma: int,
+               max_decode_steps: Optional[Union[int, Array]],
+               initial_index: Optional[Array]) -> Tuple[LoopState, Array, Array]:
+  """A draft-verify loop's first state, forced tokens [batch, L + gamma + 2] and row limits.
+
+  gamma: the most tokens a call proposes (a tree's depth); the sequences have room for them.
+  """
+  batch, max_len = inputs.shape
+  seq_len = max_len + gamma + 2
+  forced = jnp.zeros((batch, seq_len), jnp.int32).at[:, 1:max_len].set(inputs[:, 1:])
+  limit = jnp.full((batch,), max_len, jnp.int32)
+  if max_decode_steps is not None:
+    limit = jnp.minimum(limit, jnp.sum(inputs != 0, axis=1) + max_decode_steps)
   sequences = jnp.zeros((batch, seq_len), jnp.int32)
   length = jnp.zeros((batch,), jnp.int32)
   if initial_index is not None:
@@ -686,8 +763,7 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
       ended=length >= limit, target_cache=target_cache, draft_cache=draft_cache,
       gamma=jnp.full((batch,), gamma, jnp.int32), log_prob=jnp.zeros((batch,), jnp.float32),
       rng=rng, stats=DecodeStats.zeros(batch, gamma))
-  final = jax.lax.while_loop(lambda s: ~jnp.all(s.ended), body, init)
-  return final.sequences[:, 1:max_len + 1], final.log_prob, final.stats
+  return init, forced, limit
 
 
 # ------------------------------------------------------------------------------------------------
@@ -790,8 +866,11 @@ def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: Token
             draft_cache: Any, draft_tokens_to_logits: Optional[TokensToLogits],
             decode_rng: Optional[Array], num_decodes: int, cache_offset: int,
             max_decode_steps: Optional[Union[int, Array]], return_stats: bool,
-            initial_index: Optional[Array] = None):
+            initial_index: Optional[Array] = None, loop: Optional[Callable] = None):
   """Expands for num_decodes, runs the loop, sorts by log-prob ascending (best last).
+
+  loop: `_draft_verify_loop` (the default) or another with its arguments and results (the
+  token-tree loop of `trees.tree_speculative_sample`).
 
   Everything per row (a [batch] temperature, initial_index, max_decode_steps, the caches) is
   repeated in place for the num_decodes samples of each example.
@@ -810,7 +889,7 @@ def _decode(cfg: _LoopConfig, inputs: Array, cache: Any, tokens_to_logits: Token
   cfg = cfg._replace(temperature=temperature)
   initial_index = _check_initial_index(initial_index, inputs)
   prefilled = initial_index is not None
-  decodes, log_prob, stats = _draft_verify_loop(
+  decodes, log_prob, stats = (loop or _draft_verify_loop)(
       cfg, expand(inputs), expand_cache(cache, num_decodes, cache_offset, prefilled),
       tokens_to_logits, expand_cache(draft_cache, num_decodes, 0, prefilled),
       draft_tokens_to_logits, rng, max_decode_steps,
@@ -880,7 +959,7 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                        initial_index: Optional[Array] = None,
                        max_decode_steps: Optional[Union[int, Array]] = None,
                        rescale_log_probs: bool = True, return_stats: bool = False,
-                       rule: Optional[VerifyRule] = None):
+                       rule: Optional[VerifyRule] = None, verification: str = 'token'):
   """Speculative sampling (Leviathan, Kalman, Matias 2023): the target's distribution, faster.
 
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
@@ -891,6 +970,10 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
     rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
     draft's top probability falls below it (the unconfident token is not proposed). Both only
     change how many tokens are proposed, so the output distribution is unchanged.
+  verification: 'token' (Leviathan et al.: left to right, stop at the first rejection) or
+    'block' (Sun et al. 2025, `_block_verdict`: the draft judged as a whole, never fewer tokens
+    per call in expectation; exact, lenience 1 only). Both are the same greedy rule at
+    temperature 0, where the block form adds no work.
   lenience: 1 is exact; below 1 accepts more and is lossy (see `speculative_rule`). Its greedy
     form (accept when p(x) >= lenience max p) needs a static temperature 0.0; greedy rows of an
     operand temperature accept exactly the target's argmax.
@@ -907,12 +990,18 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                      'speculative_sample an int.')
   if gamma < 1:
     raise ValueError(f'gamma must be >= 1, got {gamma}.')
+  if verification not in VERIFICATIONS:
+    raise ValueError(f'verification must be one of {VERIFICATIONS}, got {verification!r}.')
+  block = verification == 'block'
+  if block and (rule is not None or lenience != 1.0):
+    raise ValueError("verification='block' is the exact rule: it takes no `rule` and "
+                     f'lenience 1 only (got lenience {lenience}).')
   greedy = is_static(temperature) and temperature <= MIN_TEMPERATURE
   cfg = _LoopConfig(gamma=gamma, rule=rule or speculative_rule(lenience, greedy),
                     temperature=temperature, topk=topk, topp=topp,
                     rescale_log_probs=rescale_log_probs,
                     confidence_threshold=draft_confidence_threshold,
-                    adaptive_gamma=adaptive_gamma, eos_id=eos_id)
+                    adaptive_gamma=adaptive_gamma, eos_id=eos_id, block=block)
   return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
                  decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats,
                  initial_index)

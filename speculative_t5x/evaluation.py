@@ -2,7 +2,8 @@
 
 What the training job measures and what it learns from, apart from the loop itself (`train.py`):
 
-  * `cross_entropy_with_z_loss` (T5X's loss) and `soft_cross_entropy` (token distillation's KL);
+  * `cross_entropy_with_z_loss` (T5X's loss) and `distillation_loss` (token distillation's
+    divergence: forward or reverse KL, JSD or total variation);
   * `greedy_translate`: greedy outputs through the decoders' own loop
     (`decoding.temperature_sample` at temperature 0), in fixed shapes;
   * `evaluate`: per-token loss and accuracy over a split, and corpus BLEU of greedy outputs;
@@ -76,10 +77,41 @@ def soft_cross_entropy(logits: Array, teacher_logits: Array, weights: Array,
   does not change the gradient. logits, teacher_logits [batch, length, vocab]; weights
   [batch, length].
   """
+  return distillation_loss(logits, teacher_logits, weights, temperature, 'forward_kl')
+
+
+DIVERGENCES = ('forward_kl', 'reverse_kl', 'jsd', 'tv')
+
+
+def _divergence(t_logp: Array, s_logp: Array, divergence: str) -> Array:
+  """Per-token divergence [...] between teacher p and student q given as log-probs [..., vocab]."""
+  p, q = jnp.exp(t_logp), jnp.exp(s_logp)
+  if divergence == 'forward_kl':
+    return jnp.sum(p * (t_logp - s_logp), axis=-1)
+  if divergence == 'reverse_kl':
+    return jnp.sum(q * (s_logp - t_logp), axis=-1)
+  if divergence == 'jsd':
+    # JSD(p, q) = (KL(p || m) + KL(q || m)) / 2 with m the mixture; log m stays finite.
+    log_m = jnp.logaddexp(t_logp, s_logp) - jnp.log(2.0)
+    return 0.5 * jnp.sum(p * (t_logp - log_m) + q * (s_logp - log_m), axis=-1)
+  if divergence == 'tv':
+    # 1 - TV(p, q) = sum min(p, q) is the speculative acceptance probability of this position.
+    return 0.5 * jnp.sum(jnp.abs(p - q), axis=-1)
+  raise ValueError(f'divergence must be one of {DIVERGENCES}, not {divergence!r}.')
+
+
+def distillation_loss(logits: Array, teacher_logits: Array, weights: Array, temperature: float,
+                      divergence: str = 'forward_kl') -> Array:
+  """Summed token divergence(teacher_T, student_T) times T^2: token-level distillation's term.
+
+  divergence: 'forward_kl' KL(p || q) (covers the teacher's mass), 'reverse_kl' KL(q || p)
+  (mode-seeking), 'jsd' (Jensen-Shannon) or 'tv' (total variation: 1 - TV is exactly the
+  per-token acceptance of speculative sampling at this temperature, DistillSpec's link).
+  logits, teacher_logits [batch, length, vocab]; weights [batch, length].
+  """
   t_logp = jax.nn.log_softmax(teacher_logits / temperature, axis=-1)
   s_logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-  kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
-  return jnp.sum(kl * weights) * temperature**2
+  return jnp.sum(_divergence(t_logp, s_logp, divergence) * weights) * temperature**2
 
 
 # ------------------------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import pipeline
 from speculative_t5x import policy
+from speculative_t5x import trees
 from speculative_t5x.errors import InferError
 from speculative_t5x.data import PAD_ID
 # The vocabulary class gin files name `vocabularies.SentencePieceVocabulary`, also here for
@@ -117,6 +118,7 @@ gin.external_configurable(decoding.speculative_sample, module='decoding')
 gin.external_configurable(decoding.bild_decode, module='decoding')
 gin.external_configurable(beam_search.beam_search, module='decoding')
 gin.external_configurable(beam_search.speculative_beam_search, module='decoding')
+gin.external_configurable(trees.tree_speculative_sample, module='decoding')
 gin.external_configurable(partitioning.Partitioner, module='partitioning')
 gin.external_configurable(partitioning.standard_logical_axis_rules, module='partitioning')
 
@@ -593,8 +595,8 @@ def _bound_decode_kwargs(fn: Any, explicit: Mapping[str, Any]) -> Dict[str, Any]
   name = _decode_fn_name(fn)
   bound = {}
   for key in ('temperature', 'topk', 'topp', 'gamma', 'lenience', 'adaptive_gamma',
-              'draft_confidence_threshold', 'fallback_threshold', 'rollback_threshold',
-              'max_small_steps', 'beam_size', 'alpha', 'branching'):
+              'verification', 'draft_confidence_threshold', 'fallback_threshold',
+              'rollback_threshold', 'max_small_steps', 'beam_size', 'alpha', 'branching'):
     try:
       bound[key] = gin.query_parameter(f'decoding.{name}.{key}')
     except ValueError:

@@ -33,6 +33,7 @@ from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import policy
+from speculative_t5x import trees
 
 PathLike = Union[str, os.PathLike]
 EMBEDDED_TARGET = data.EMBEDDED_TARGET
@@ -47,6 +48,7 @@ DECODERS: Dict[str, Tuple[Callable, Dict[str, Any]]] = {
     'bild': (decoding.bild_decode, {'temperature': 0.0}),
     'beam': (beam_search.beam_search, {}),
     'speculative_beam': (beam_search.speculative_beam_search, {}),
+    'speculative_tree': (trees.tree_speculative_sample, {}),
 }
 
 

@@ -181,7 +181,8 @@ def _build_class() -> type:
 
     module / draft_module: the two `network.Transformer`s (same vocabulary and EOS).
     decode_fn: a decoder of `speculative_t5x.decoding` (speculative_sample, bild_decode; the
-      one-model temperature_sample also works, on the target); `decode_kwargs` are passed to
+      one-model temperature_sample also works, on the target) or
+      `trees.tree_speculative_sample`; `decode_kwargs` are passed to
       it, and `decoder_params` of `predict_batch_with_aux` override them.
     default_decoder_params: as T5X's: `return_all_decodes` / `num_decodes` used when
       `predict_batch_with_aux` is not given them.

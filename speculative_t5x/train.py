@@ -41,7 +41,9 @@ Settings (gin: `train.NAME`):
     `checkpoints.export_weights`).
   distillation: 'none'; 'sequence' (targets = the teacher's greedy outputs for the training
     inputs, cached in `distillation_cache`); or 'token' (loss = (1 - kd_weight) * CE +
-    kd_weight * T^2 KL(teacher_T || student_T) on the real targets).
+    kd_weight * T^2 D(teacher_T, student_T) on the real targets).
+  kd_divergence: D of token distillation: 'forward_kl', 'reverse_kl', 'jsd' or 'tv' (total
+    variation, whose complement is speculative sampling's per-token acceptance).
   teacher: the teacher's exported weights file or training folder (distillation only).
   max_train_examples: use only the first n training pairs (also bounds the sequence
     distillation set, whose greedy decoding is the expensive part).
@@ -166,12 +168,14 @@ def train(*,
           export_path: Optional[str] = None,
           distillation: str = 'none', teacher: Optional[str] = None,
           kd_weight: float = 1.0, kd_temperature: float = 1.0,
+          kd_divergence: str = 'forward_kl',
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
           init_from: Optional[str] = None) -> Dict[str, Any]:
   """Trains (or resumes) a model; returns the final metrics.
   Each setting is described in this module's docstring ("Settings").
   """
-  distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache)
+  distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache,
+                          kd_divergence)
   model_dir = _prepare_model_dir(model_dir, config)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
                      data_dir, mixture_or_task_name, batch_size, pack, seed)
@@ -223,11 +227,15 @@ class _Distillation:
   weight: float
   temperature: float
   cache: Optional[str]
+  divergence: str = 'forward_kl'
 
   def __post_init__(self):
     if self.mode not in ('none', 'sequence', 'token'):
       raise ValueError(
           f"distillation must be 'none', 'sequence' or 'token', not {self.mode!r}.")
+    if self.divergence not in evaluation.DIVERGENCES:
+      raise ValueError(f'kd_divergence must be one of {evaluation.DIVERGENCES}, not '
+                       f'{self.divergence!r}.')
 
   def load_teacher(self, config: network.T5Config) -> Teacher:
     """The teacher's (config, params), or (None, None) without distillation."""
@@ -516,7 +524,7 @@ def _step_function(config: network.T5Config, distill: _Distillation, teacher: Te
   teacher_config, teacher_params = teacher if token_level else (None, None)
   step_fn = _make_train_step(config, learning_rate_scale, warmup_steps, seed, z_loss,
                              label_smoothing, 'token' if token_level else 'none', teacher_config,
-                             distill.weight, distill.temperature)
+                             distill.weight, distill.temperature, distill.divergence)
   return lambda state, batch: step_fn(state, batch, teacher_params)
 
 
@@ -524,7 +532,7 @@ def _step_function(config: network.T5Config, distill: _Distillation, teacher: Te
 def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmup_steps: int,
                      seed: int, z_loss: float, label_smoothing: float, distillation: str,
                      teacher_config: Optional[network.T5Config], kd_weight: float,
-                     kd_temperature: float):
+                     kd_temperature: float, kd_divergence: str = 'forward_kl'):
   """The jitted step: (state, batch, teacher_params) -> (state, metrics summed over tokens).
 
   Cached on its (hashable) hyperparameters so that runs in one process (a resumed run, tests)
@@ -550,7 +558,8 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
       if distillation == 'token':
         teacher_logits = jax.lax.stop_gradient(
             teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
-        kd = evaluation.soft_cross_entropy(logits, teacher_logits, weights, kd_temperature)
+        kd = evaluation.distillation_loss(logits, teacher_logits, weights, kd_temperature,
+                                          kd_divergence)
         metrics['kd_loss'] = kd
         loss = (1.0 - kd_weight) * loss + kd_weight * kd
       # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token

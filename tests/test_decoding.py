@@ -12,6 +12,7 @@ from flax import serialization
 from scipy import stats as scipy_stats
 
 from speculative_t5x import decoding
+from speculative_t5x import trees
 from speculative_t5x import models
 from speculative_t5x import network
 from conftest import ragged_tokens, random_model, start_decoding, tiny_config
@@ -145,6 +146,8 @@ def _forced_and_prefilled(enc, prompts):
     # A cap longer than the output: BiLD's chunks then end where the models decide, not at
     # positions that depend on where decoding started.
     out['bild', prefilled] = decoding.bild_decode(**pair, max_small_steps=MAX_LEN)[0]
+    out['tree', prefilled] = trees.tree_speculative_sample(**pair, branching=(2, 1),
+                                                           temperature=0.0)[0]
   return out
 
 
@@ -153,7 +156,7 @@ def test_prefilled_prompts_decode_as_forced_prompts():
   enc = ragged_tokens(jax.random.PRNGKey(15), batch, 9, CFG.vocab_size)
   prompts = _prompts(PROMPT_LENGTHS)
   out = {k: np.asarray(v) for k, v in _forced_and_prefilled(enc, prompts).items()}
-  for method in ('target', 'speculative', 'bild'):
+  for method in ('target', 'speculative', 'bild', 'tree'):
     np.testing.assert_array_equal(out[method, True], out[method, False], err_msg=method)
   # The prefilled rows start at their prompt's end: one target call fewer per prompt token.
   np.testing.assert_array_equal(out['target_calls', True],
@@ -163,6 +166,7 @@ def test_prefilled_prompts_decode_as_forced_prompts():
     np.testing.assert_array_equal(out['target', True][row, :, :n],
                                   np.broadcast_to(prompts[row, 1:n + 1], (2, n)))
   np.testing.assert_array_equal(out['speculative', True][:, 0], out['target', True][:, 0])
+  np.testing.assert_array_equal(out['tree', True][:, 0], out['target', True][:, 0])
   # The prompts steer the decodes (else the comparison above would be vacuous).
   unprompted = _forced_and_prefilled(enc, jnp.zeros_like(prompts))['target', True]
   assert (np.asarray(unprompted) != out['target', True]).any()
@@ -189,6 +193,8 @@ def test_temperature_operand_one_compile_and_greedy_rows():
         'target': decoding.temperature_sample(inputs, cache, t2l, NO_EOS, topk=0,
                                               temperature=temperature, decode_rng=rng)[0],
         'speculative': decoding.speculative_sample(**pair, gamma=3)[0],
+        'block': decoding.speculative_sample(**pair, gamma=3, verification='block')[0],
+        'tree': trees.tree_speculative_sample(**pair, branching=(2, 1))[0],
         # Rollback threshold 0: BiLD's greedy output is the large model's.
         'bild': decoding.bild_decode(**pair, fallback_threshold=0.0, rollback_threshold=0.0)[0],
     }
@@ -197,13 +203,14 @@ def test_temperature_operand_one_compile_and_greedy_rows():
   second = run(enc, jnp.array([0.0, 0.0, 0.0, 1e-5]), jax.random.PRNGKey(1))
   assert len(traces) == 1
   greedy = np.asarray(first['greedy'][:, 0])
-  for method in ('target', 'speculative', 'bild'):
+  for method in ('target', 'speculative', 'block', 'tree', 'bild'):
     np.testing.assert_array_equal(np.asarray(first[method][[0, 2], 0]), greedy[[0, 2]],
                                   err_msg=method)
     np.testing.assert_array_equal(np.asarray(second[method][:, 0]), greedy, err_msg=method)
   # The hot rows did sample.
   assert (np.asarray(first['target'][[1, 3], 0]) != greedy[[1, 3]]).any()
-  assert (np.asarray(first['speculative'][[1, 3], 0]) != greedy[[1, 3]]).any()
+  for method in ('speculative', 'block', 'tree'):
+    assert (np.asarray(first[method][[1, 3], 0]) != greedy[[1, 3]]).any(), method
 
 
 def test_temperature_sample_reproduces_t5x_greedy(t5x_data):

@@ -77,6 +77,7 @@ def test_pair_file_matches_training_model_files():
     ('bild', 'bild_decode', {'fallback_threshold': 0.6, 'rollback_threshold': 5.0}),
     ('speculative_beam', 'speculative_beam_search', {'alpha': 0.6, 'branching': 'auto'}),
     ('beam_search', 'beam_search', {'alpha': 0.6}),
+    ('speculative_tree', 'tree_speculative_sample', {'branching': (3, 1), 'temperature': 1.0}),
 ])
 def test_decoding_configs_bind_the_decoder(name, fn, expect):
   gin.parse_config_file(str(CONFIGS / 'decoding' / f'{name}.gin'))

@@ -22,6 +22,7 @@ from speculative_t5x import inputs
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import policy
+from speculative_t5x import trees
 from conftest import data_dir
 from fast_params import random_params
 import infer_hooks
@@ -232,6 +233,24 @@ def test_beam_size_reaches_the_decoder(setup, tmp_path, monkeypatch):
                'decoder_input_tokens': np.zeros((len(examples), 10), np.int32)}, num_decodes=3)
   direct = [[int(t) for t in row if t] for row in np.asarray(decodes)]
   assert outputs['beam'] == direct
+
+
+def test_block_verification_and_trees_run_in_the_job(setup, tmp_path):
+  """The job takes verification='block' and tree_speculative_sample like any decoder; greedy,
+  both write the chain's predictions, which are the target's."""
+  source = tmp_path / 'in.txt'
+  source.write_text('\n'.join(_german_lines(6)) + '\n', encoding='utf-8')
+  outputs = {}
+  for name, fn, kwargs in (
+      ('chain', decoding.speculative_sample, {'gamma': 3, 'temperature': 0.0}),
+      ('block', decoding.speculative_sample, {'gamma': 3, 'temperature': 0.0,
+                                              'verification': 'block'}),
+      ('tree', trees.tree_speculative_sample, {'branching': (2, 1), 'temperature': 0.0})):
+    summary = _infer(setup, tmp_path / name, source, output_ids=True,
+                     model=_model(decode_fn=fn, decode_kwargs=kwargs))
+    assert summary['tokens_per_target_call'] >= 1.0
+    outputs[name] = [r['prediction_tokens'] for r in _outputs(tmp_path / name)]
+  assert outputs['block'] == outputs['chain'] == outputs['tree']
 
 
 # ------------------------------------------------------------------------------------------------

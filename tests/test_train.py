@@ -135,6 +135,29 @@ def test_sequence_distillation_data_is_the_teachers_greedy_output(multi30k, tmp_
   assert again == [cached['tokens'][i, :n].tolist() for i, n in enumerate(cached['lengths'])]
 
 
+@pytest.mark.parametrize('divergence', evaluation.DIVERGENCES)
+def test_distillation_divergences_in_closed_form(divergence):
+  """Each divergence on two 3-token distributions, against numpy; zero when they agree."""
+  p, q = np.array([0.7, 0.2, 0.1]), np.array([0.2, 0.5, 0.3])
+  m = (p + q) / 2
+  want = {'forward_kl': np.sum(p * np.log(p / q)), 'reverse_kl': np.sum(q * np.log(q / p)),
+          'jsd': 0.5 * np.sum(p * np.log(p / m)) + 0.5 * np.sum(q * np.log(q / m)),
+          'tv': 0.5 * np.sum(np.abs(p - q))}[divergence]
+  teacher, student = (jnp.log(jnp.asarray(d, jnp.float32))[None, None] for d in (p, q))
+  weights = jnp.ones((1, 1))
+  got = evaluation.distillation_loss(student, teacher, weights, 1.0, divergence)
+  assert float(got) == pytest.approx(want, rel=1e-5)
+  same = evaluation.distillation_loss(teacher, teacher, weights, 1.0, divergence)
+  assert float(same) == pytest.approx(0.0, abs=1e-6)
+  if divergence == 'tv':  # 1 - TV is the speculative acceptance sum(min(p, q))
+    assert 1.0 - float(got) == pytest.approx(np.minimum(p, q).sum(), rel=1e-5)
+
+
+def test_an_unknown_divergence_is_one_line():
+  with pytest.raises(ValueError, match='kd_divergence must be one of'):
+    train_lib._Distillation('token', 'teacher.msgpack', 1.0, 1.0, None, 'hellinger')
+
+
 def test_token_distillation_runs(multi30k, tmp_path):
   teacher_config = _tiny_config(dropout_rate=0.0)
   params, _ = network.init_params(teacher_config, jax.random.PRNGKey(2))

@@ -1,0 +1,149 @@
+"""Token against block verification of the same draft: acceptance on the test split, and speed.
+
+  python -m benchmarks.verifiers --count_sentences 1000 --gammas 1,2,3,4,5 \
+      --sentences 1:64,8:192,32:320 --speed_gammas 1,2,3 --rounds 3
+
+Acceptance (hardware-free): the first --count_sentences test captions decoded once per
+(sampling setting, gamma, verification) at batch --count_batch, the same seeds for both
+verifiers (their draft tokens agree until the first call whose verdicts differ). Per row: alpha
+(accepted / (accepted + rejections)), accepted draft tokens and emitted tokens per target call.
+Settings: T=1, T=0.7 and T=1 with top-p 0.9.
+
+Speed: for each --sentences pair, target-only sampling at T=1 against speculative sampling at
+each --speed_gammas with both verifiers, timed round-robin as `benchmarks.speed` times them
+(its `batch_block`). On this CPU a verify call over more than ~9 rows (batch x (gamma + 1)) is
+arithmetic-bound; the table says which rows are.
+
+Writes verifiers.json (after every part) and verifiers.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from benchmarks import harness
+from benchmarks import speed
+from benchmarks.harness import Setting
+from speculative_t5x import data
+from speculative_t5x import decoding
+from speculative_t5x import pipeline
+
+NAME = 'verifiers'
+# (temperature, top-p) of the acceptance grid.
+SAMPLING = ((1.0, 0.0), (0.7, 0.0), (1.0, 0.9))
+# Rows per verify call above which this CPU's step is arithmetic-bound (docs/engine.md).
+ARITHMETIC_BOUND_ROWS = 9
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = harness.parser(__doc__, sentences='1:64,8:192,32:320', gammas='1,2,3,4,5')
+  p.add_argument('--count_sentences', type=int, default=1000,
+                 help='test captions of the acceptance grid (0: skip it)')
+  p.add_argument('--count_batch', type=int, default=32, help='batch size of the acceptance grid')
+  p.add_argument('--speed_gammas', default='1,2,3',
+                 help='gammas timed against target-only sampling (empty: no timing)')
+  p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
+  p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
+  args = p.parse_args(argv)
+  args.gamma_list = harness.parse_ints(args.gammas, '--gammas')
+  args.speed_gamma_list = harness.parse_ints(args.speed_gammas, '--speed_gammas')
+  # benchmarks.speed.batch_block's flags: no HF rows here.
+  args.no_hf, args.hf_gammas, args.hf_threads = True, '', 1
+  return args
+
+
+def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], gammas: Sequence[int],
+                    batch_size: int) -> List[Dict[str, Any]]:
+  """One row per (temperature, top-p, gamma, verification): counts from one pass."""
+  batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
+                                 width=harness.INPUT_LENGTH)
+  rows = []
+  for temperature, topp in SAMPLING:
+    for gamma in gammas:
+      for verification in decoding.VERIFICATIONS:
+        setting = Setting('speculative', temperature, gamma, topp=topp,
+                          verification=verification)
+        run = harness.collect(harness.compile_setting(setting, pair, batches).one_pass(),
+                              len(sources))
+        counts = harness.acceptance(run['stats'])
+        rows.append({'name': setting.name, **setting._asdict(),
+                     **{k: counts[k] for k in ('alpha', 'accepted_per_call', 'tokens_per_call',
+                                               'accepted_fraction')}})
+        print(f"{setting.name}: alpha {counts['alpha']:.3f}, "
+              f"{counts['tokens_per_call']:.3f} tokens per call", flush=True)
+  return rows
+
+
+def speed_settings(gammas: Sequence[int]) -> List[Setting]:
+  return [Setting('baseline', 1.0)] + [
+      Setting('speculative', 1.0, g, verification=v) for g in gammas
+      for v in decoding.VERIFICATIONS]
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+  lines = harness.heading(f"Verifiers: {results['meta']['description']}", results)
+  rows = results.get('acceptance', [])
+  if rows:
+    lines += [f"## Acceptance ({results['meta']['count_sentences']} test captions, batch "
+              f"{results['meta']['count_batch']})", '',
+              'alpha: accepted / (accepted + rejections); block / token: tokens per call of '
+              'block verification over token verification of the same setting.', '']
+    by_key = {(r['temperature'], r['topp'], r['gamma'], r['verification']): r for r in rows}
+    table = []
+    for (t, topp, g, v), r in by_key.items():
+      if v != 'token' or (t, topp, g, 'block') not in by_key:
+        continue
+      b = by_key[(t, topp, g, 'block')]
+      table.append([f'T={t:g}' + (f' top-p={topp:g}' if topp else ''), str(g),
+                    f"{r['alpha']:.3f}", f"{b['alpha']:.3f}", f"{r['tokens_per_call']:.3f}",
+                    f"{b['tokens_per_call']:.3f}",
+                    f"{b['tokens_per_call'] / r['tokens_per_call']:.3f}"])
+    lines += harness.table(('sampling', 'gamma', 'alpha token', 'alpha block',
+                            'tokens/call token', 'tokens/call block', 'block / token'), table)
+    lines += ['']
+  for batch_size, block in results.get('batches', {}).items():
+    lines += [f"## Speed at batch {batch_size} ({block['num_sentences']} sentences, T=1; "
+              f"median of {results['meta']['rounds']} interleaved rounds)", '']
+    table = []
+    for r in block['rows']:
+      verify_rows = int(batch_size) * (int(r['gamma']) + 1) if r['method'] != 'baseline' else 0
+      regime = ('arithmetic-bound' if verify_rows > ARITHMETIC_BOUND_ROWS else
+                'bandwidth-bound') if verify_rows else ''
+      table.append([r['name'], f"{r['ms_per_sentence']:.1f}", f"{r['speedup']:.2f}x",
+                    f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
+                    harness.fmt(r.get('alpha'), '.3f'), harness.fmt(r.get('tokens_per_call'),
+                                                                      '.2f'),
+                    str(verify_rows or ''), regime])
+    lines += harness.table(('configuration', 'ms/sentence', 'speedup', 'range', 'alpha',
+                            'tokens/call', 'verify rows', 'regime on this CPU'), table) + ['']
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  args = parse_args(argv)
+  sources, references = harness.test_split(args.data_dir)
+  pair = harness.load_pair(args.target, args.draft)
+  flops = {name: config.decode_flops_per_token() for name, config in pair.configs.items()}
+  results = {'meta': harness.meta(NAME, argv, args, description='token against block '
+                                  'verification, embedded Multi30k pair, test_2016_flickr',
+                                  count_sentences=args.count_sentences,
+                                  count_batch=args.count_batch), 'batches': {}}
+  if args.count_sentences:
+    results['acceptance'] = acceptance_grid(pair, sources[:args.count_sentences],
+                                            args.gamma_list, args.count_batch)
+    paths = harness.write_results(args, NAME, results, markdown)
+  if args.speed_gamma_list:
+    settings = speed_settings(args.speed_gamma_list)
+    for batch_size, count in harness.parse_sentences(args.sentences).items():
+      count = min(count, len(sources))
+      results['batches'][str(batch_size)] = speed.batch_block(
+          pair, settings, batch_size, sources[:count], references[:count], args,
+          flops['draft'] / flops['target'])
+      paths = harness.write_results(args, NAME, results, markdown)
+  print('wrote', *paths)
+  return results
+
+
+if __name__ == '__main__':
+  main()
