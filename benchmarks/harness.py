@@ -519,6 +519,8 @@ def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.nda
     row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1) + 1))
     return row
   row.update(acceptance(stats))
+  if setting.method == 'tree':
+    return row  # no chain cost model for a tree (its verify call scores all nodes)
   gamma = setting.gamma
   if gamma == policy.AUTO:
     # Predictions for the gamma chosen most often.

@@ -1,16 +1,19 @@
-"""Token against block verification of the same draft: acceptance on the test split, and speed.
+"""Verifiers that keep more of a draft: token vs block verification, chains vs token trees.
 
   python -m benchmarks.verifiers --count_sentences 1000 --gammas 1,2,3,4,5 \
-      --sentences 1:64,8:192,32:320 --speed_gammas 1,2,3 --rounds 3
+      --trees '2;3;4;2,1;3,1;4,1;2,2;3,1,1;2,1,1,1' \
+      --sentences 1:64,8:192,32:320 --speed_gammas 1,2 --speed_trees '2;3,1' --rounds 3
 
 Acceptance (hardware-free): the first --count_sentences test captions decoded once per
 (sampling setting, gamma, verification) at batch --count_batch, the same seeds for both
 verifiers (their draft tokens agree until the first call whose verdicts differ). Per row: alpha
 (accepted / (accepted + rejections)), accepted draft tokens and emitted tokens per target call.
-Settings: T=1, T=0.7 and T=1 with top-p 0.9.
+Settings: T=1, T=0.7 and T=1 with top-p 0.9. Token trees (`trees.tree_speculative_sample`,
+--trees, ';' between shapes) at T=1, against the chain of the same depth and the chain
+of as many verified rows (tree nodes = gamma + 1).
 
 Speed: for each --sentences pair, target-only sampling at T=1 against speculative sampling at
-each --speed_gammas with both verifiers, timed round-robin as `benchmarks.speed` times them
+each --speed_gammas with both verifiers and the --speed_trees, timed round-robin as `benchmarks.speed` times them
 (its `batch_block`). On this CPU a verify call over more than ~9 rows (batch x (gamma + 1)) is
 arithmetic-bound; the table says which rows are.
 
@@ -28,6 +31,7 @@ from benchmarks.harness import Setting
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import pipeline
+from speculative_t5x import trees
 
 NAME = 'verifiers'
 # (temperature, top-p) of the acceptance grid.
@@ -41,44 +45,76 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--count_sentences', type=int, default=1000,
                  help='test captions of the acceptance grid (0: skip it)')
   p.add_argument('--count_batch', type=int, default=32, help='batch size of the acceptance grid')
-  p.add_argument('--speed_gammas', default='1,2,3',
-                 help='gammas timed against target-only sampling (empty: no timing)')
+  p.add_argument('--trees', default='2;3;4;2,1;3,1;4,1;2,2;3,1,1;2,1,1,1',
+                 help="token tree shapes of the acceptance grid, ';' between shapes")
+  p.add_argument('--speed_gammas', default='1,2',
+                 help='gammas timed against target-only sampling (empty: none)')
+  p.add_argument('--speed_trees', default='2;3,1', help="tree shapes timed (empty: none)")
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
   args.gamma_list = harness.parse_ints(args.gammas, '--gammas')
   args.speed_gamma_list = harness.parse_ints(args.speed_gammas, '--speed_gammas')
+  args.tree_list = parse_trees(args.trees, '--trees')
+  args.speed_tree_list = parse_trees(args.speed_trees, '--speed_trees')
   # benchmarks.speed.batch_block's flags: no HF rows here.
   args.no_hf, args.hf_gammas, args.hf_threads = True, '', 1
   return args
 
 
-def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], gammas: Sequence[int],
+def parse_trees(spec: str, flag: str) -> List[str]:
+  """'2;3,1' -> ['2', '3,1'] (each shape checked); exits naming `flag` on bad input."""
+  shapes = [shape.strip() for shape in spec.split(';') if shape.strip()]
+  try:
+    for shape in shapes:
+      trees.token_tree([int(b) for b in shape.split(',')])
+  except ValueError:
+    raise SystemExit(f"error: {flag} wants tree shapes like '2;3,1' (children per depth, "
+                     f"';' between shapes), got {spec!r}") from None
+  return shapes
+
+
+def grid_settings(gammas: Sequence[int], tree_shapes: Sequence[str]) -> List[Setting]:
+  """The acceptance grid: every sampling setting's chains (both verifiers) and trees."""
+  settings = []
+  for temperature, topp in SAMPLING:
+    settings += [Setting('speculative', temperature, g, topp=topp, verification=v)
+                 for g in gammas for v in decoding.VERIFICATIONS]
+    if (temperature, topp) == SAMPLING[0]:  # trees at T=1, the setting of the paper's headline
+      settings += [Setting('tree', temperature, topp=topp, branching=b) for b in tree_shapes]
+  return settings
+
+
+def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], settings: Sequence[Setting],
                     batch_size: int) -> List[Dict[str, Any]]:
-  """One row per (temperature, top-p, gamma, verification): counts from one pass."""
+  """One row per setting: counts from one pass over `sources` (the same seeds for all)."""
   batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
                                  width=harness.INPUT_LENGTH)
   rows = []
-  for temperature, topp in SAMPLING:
-    for gamma in gammas:
-      for verification in decoding.VERIFICATIONS:
-        setting = Setting('speculative', temperature, gamma, topp=topp,
-                          verification=verification)
-        run = harness.collect(harness.compile_setting(setting, pair, batches).one_pass(),
-                              len(sources))
-        counts = harness.acceptance(run['stats'])
-        rows.append({'name': setting.name, **setting._asdict(),
-                     **{k: counts[k] for k in ('alpha', 'accepted_per_call', 'tokens_per_call',
-                                               'accepted_fraction')}})
-        print(f"{setting.name}: alpha {counts['alpha']:.3f}, "
-              f"{counts['tokens_per_call']:.3f} tokens per call", flush=True)
+  for setting in settings:
+    run = harness.collect(harness.compile_setting(setting, pair, batches).one_pass(),
+                          len(sources))
+    counts = harness.acceptance(run['stats'])
+    rows.append({'name': setting.name, **setting._asdict(),
+                 **{k: counts[k] for k in ('alpha', 'accepted_per_call', 'tokens_per_call',
+                                           'accepted_fraction')}})
+    print(f"{setting.name}: alpha {counts['alpha']:.3f}, "
+          f"{counts['tokens_per_call']:.3f} tokens per call", flush=True)
   return rows
 
 
-def speed_settings(gammas: Sequence[int]) -> List[Setting]:
-  return [Setting('baseline', 1.0)] + [
-      Setting('speculative', 1.0, g, verification=v) for g in gammas
-      for v in decoding.VERIFICATIONS]
+def speed_settings(gammas: Sequence[int], tree_shapes: Sequence[str]) -> List[Setting]:
+  return ([Setting('baseline', 1.0)] +
+          [Setting('speculative', 1.0, g, verification=v) for g in gammas
+           for v in decoding.VERIFICATIONS] +
+          [Setting('tree', 1.0, branching=b) for b in tree_shapes])
+
+
+def verify_rows(setting: Mapping[str, Any]) -> int:
+  """Tokens a verify call scores per row: gamma + 1, or the tree's nodes (0: target alone)."""
+  if setting['method'] == 'tree':
+    return trees.token_tree([int(b) for b in setting['branching'].split(',')]).nodes
+  return int(setting['gamma']) + 1 if setting['method'] == 'speculative' else 0
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -101,20 +137,37 @@ def markdown(results: Mapping[str, Any]) -> str:
                     f"{b['tokens_per_call'] / r['tokens_per_call']:.3f}"])
     lines += harness.table(('sampling', 'gamma', 'alpha token', 'alpha block',
                             'tokens/call token', 'tokens/call block', 'block / token'), table)
-    lines += ['']
+    lines += ['', 'Token trees against chains (token verification) of the same setting: '
+              'tokens per call over the chain of the same depth and over the chain that '
+              'verifies as many rows (nodes = gamma + 1).', '']
+    table = []
+    for r in rows:
+      if r['method'] != 'tree':
+        continue
+      depth, nodes = len(r['branching'].split(',')), verify_rows(r)
+      chain = lambda g: by_key.get((r['temperature'], r['topp'], g, 'token'))
+      ratio = lambda c: f"{r['tokens_per_call'] / c['tokens_per_call']:.3f}" if c else ''
+      table.append([f"T={r['temperature']:g}" + (f" top-p={r['topp']:g}" if r['topp'] else ''),
+                    f"({r['branching']})", str(depth), str(nodes), f"{r['alpha']:.3f}",
+                    f"{r['tokens_per_call']:.3f}",
+                    f"{r['tokens_per_call'] / nodes:.3f}", ratio(chain(depth)),
+                    ratio(chain(nodes - 1))])
+    lines += harness.table(('sampling', 'tree', 'depth', 'nodes', 'alpha', 'tokens/call',
+                            'tokens/call per row', 'vs chain, same depth',
+                            'vs chain, same rows'), table) + ['']
   for batch_size, block in results.get('batches', {}).items():
     lines += [f"## Speed at batch {batch_size} ({block['num_sentences']} sentences, T=1; "
               f"median of {results['meta']['rounds']} interleaved rounds)", '']
     table = []
     for r in block['rows']:
-      verify_rows = int(batch_size) * (int(r['gamma']) + 1) if r['method'] != 'baseline' else 0
-      regime = ('arithmetic-bound' if verify_rows > ARITHMETIC_BOUND_ROWS else
-                'bandwidth-bound') if verify_rows else ''
+      rows_per_call = int(batch_size) * verify_rows(r)
+      regime = ('arithmetic-bound' if rows_per_call > ARITHMETIC_BOUND_ROWS else
+                'bandwidth-bound') if rows_per_call else ''
       table.append([r['name'], f"{r['ms_per_sentence']:.1f}", f"{r['speedup']:.2f}x",
                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
                     harness.fmt(r.get('alpha'), '.3f'), harness.fmt(r.get('tokens_per_call'),
                                                                       '.2f'),
-                    str(verify_rows or ''), regime])
+                    str(rows_per_call or ''), regime])
     lines += harness.table(('configuration', 'ms/sentence', 'speedup', 'range', 'alpha',
                             'tokens/call', 'verify rows', 'regime on this CPU'), table) + ['']
   return '\n'.join(lines)
@@ -125,16 +178,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   sources, references = harness.test_split(args.data_dir)
   pair = harness.load_pair(args.target, args.draft)
   flops = {name: config.decode_flops_per_token() for name, config in pair.configs.items()}
-  results = {'meta': harness.meta(NAME, argv, args, description='token against block '
-                                  'verification, embedded Multi30k pair, test_2016_flickr',
+  results = {'meta': harness.meta(NAME, argv, args, description='chains (token and block '
+                                  'verification) and token trees, embedded Multi30k pair, '
+                                  'test_2016_flickr',
                                   count_sentences=args.count_sentences,
                                   count_batch=args.count_batch), 'batches': {}}
   if args.count_sentences:
-    results['acceptance'] = acceptance_grid(pair, sources[:args.count_sentences],
-                                            args.gamma_list, args.count_batch)
+    results['acceptance'] = acceptance_grid(
+        pair, sources[:args.count_sentences], grid_settings(args.gamma_list, args.tree_list),
+        args.count_batch)
     paths = harness.write_results(args, NAME, results, markdown)
-  if args.speed_gamma_list:
-    settings = speed_settings(args.speed_gamma_list)
+  if args.speed_gamma_list or args.speed_tree_list:
+    settings = speed_settings(args.speed_gamma_list, args.speed_tree_list)
     for batch_size, count in harness.parse_sentences(args.sentences).items():
       count = min(count, len(sources))
       results['batches'][str(batch_size)] = speed.batch_block(

@@ -12,11 +12,13 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
+from benchmarks import draft_acceptance
 from benchmarks import drafts
 from benchmarks import encoder_width
 from benchmarks import engine
 from benchmarks import profile
 from benchmarks import speed
+from benchmarks import verifiers
 from benchmarks import vs_t5x
 import conftest
 
@@ -139,3 +141,30 @@ def test_engine(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert dots['separate'] - dots['stacked'] >= 2 * layers, dots
   assert set(block['over_separate']['target k=1']) == {'draft vocabulary', 'stacked'}
   assert {'encoders', 'target-only T=0', 'speculative gamma=1 T=0'} <= set(block['over_separate'])
+
+
+def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  verifiers.main(data_args + ['--out_dir', str(tmp_path), '--count_sentences', '4',
+                              '--count_batch', '4', '--gammas', '1', '--trees', '2',
+                              '--sentences', '1:1', '--speed_gammas', '', '--speed_trees', '2',
+                              '--rounds', '1'])
+  results = written(tmp_path, 'verifiers', 'Verifiers')
+  names = [r['name'] for r in results['acceptance']]
+  assert names == ['speculative gamma=1 T=1', 'speculative gamma=1 block T=1', 'tree (2) T=1',
+                   'speculative gamma=1 T=0.7', 'speculative gamma=1 block T=0.7',
+                   'speculative gamma=1 T=1 top-p=0.9', 'speculative gamma=1 block T=1 top-p=0.9']
+  assert all(r['tokens_per_call'] >= 1.0 for r in results['acceptance'])
+  rows = [r['name'] for r in results['batches']['1']['rows']]
+  assert rows == ['target-only T=1', 'tree (2) T=1']
+  assert '| T=1 | (2) | 1 | 3 |' in (tmp_path / 'verifiers.md').read_text()
+
+
+def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  draft_acceptance.main(data_args + ['--out_dir', str(tmp_path), '--gammas', '1,2',
+                                     '--temperatures', '0', '--longest', '2',
+                                     '--max_sentences', '4', '--batch_size', '4'])
+  results = written(tmp_path, 'draft_acceptance', 'Draft acceptance')
+  rows = results['drafts']['shipped']['rows']
+  assert [(r['split'], r['gamma']) for r in rows] == [
+      ('test', 1), ('test', 2), ('validation', 2), ('test, 2 longest inputs', 2)]
+  assert all(0.0 < r['alpha'] <= 1.0 for r in rows)
