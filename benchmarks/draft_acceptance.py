@@ -9,8 +9,8 @@ per (split, temperature, gamma) one speculative pass (token verification, batch 
 the same seeds for every draft) with alpha = accepted / (accepted + rejections) (the paper's,
 independent of gamma) and emitted tokens per target call. Splits: the whole test split
 (test_2016_flickr), the validation split, and the --longest test captions with the longest
-inputs (difficulty); the --gammas sweep runs on the test split, the other splits at the largest
-gamma only.
+inputs (difficulty); the --gammas sweep runs on the test split at --sweep_temperature, every
+other (split, temperature) at the largest gamma only.
 
 Writes draft_acceptance.json (after every draft) and draft_acceptance.md.
 """
@@ -30,22 +30,22 @@ NAME = 'draft_acceptance'
 
 def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, Dict[str, str]]:
   p = harness.parser(__doc__, sentences='32:1000', gammas='1,2,3,4,5', rounds=1)
-  p.add_argument('--drafts', default=f'shipped={pipeline.EMBEDDED_DRAFT}',
-                 help='name=weights_file pairs, comma-separated')
-  p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
+  drafts_lib.add_pair_flags(p)
   p.add_argument('--temperatures', default='0,0.7,1', help='sampling temperatures')
+  p.add_argument('--sweep_temperature', type=float, default=1.0,
+                 help='the temperature of the --gammas sweep (the others run the largest gamma)')
   p.add_argument('--batch_size', type=int, default=32)
   p.add_argument('--longest', type=int, default=100,
                  help='test captions with the longest inputs, as a split of their own')
   p.add_argument('--max_sentences', type=int, default=0,
                  help='the first N captions of the test and validation splits (0: all)')
   args = p.parse_args(argv)
+  drafts = drafts_lib.parse_drafts(args.drafts)
   try:
-    drafts = dict(pair.split('=', 1) for pair in args.drafts.split(','))
     args.temperature_list = [float(t) for t in args.temperatures.split(',') if t]
   except ValueError:
-    raise SystemExit('error: --drafts wants name=path pairs, --temperatures numbers like '
-                     '0,0.7,1') from None
+    raise SystemExit(f'error: --temperatures wants numbers like 0,0.7,1, got '
+                     f'{args.temperatures!r}') from None
   args.gamma_list = harness.parse_ints(args.gammas, '--gammas')
   if not args.gamma_list or not args.temperature_list:
     raise SystemExit('error: --gammas and --temperatures must each name at least one value')
@@ -65,7 +65,7 @@ def splits(data_dir: Optional[str], longest: int, max_sentences: int) -> Dict[st
 
 
 def draft_rows(pair: pipeline.Pair, sources: Mapping[str, Sequence[str]],
-               temperatures: Sequence[float], gammas: Sequence[int],
+               temperatures: Sequence[float], gammas: Sequence[int], sweep_temperature: float,
                batch_size: int) -> List[Dict[str, Any]]:
   """One row per (split, temperature, gamma) of one draft."""
   rows = []
@@ -73,7 +73,8 @@ def draft_rows(pair: pipeline.Pair, sources: Mapping[str, Sequence[str]],
     batches = harness.make_batches(data.encode(texts, harness.INPUT_LENGTH), batch_size,
                                    width=harness.INPUT_LENGTH)
     for temperature in temperatures:
-      for gamma in (gammas if split == 'test' else gammas[-1:]):
+      sweep = split == 'test' and temperature == sweep_temperature
+      for gamma in (gammas if sweep else gammas[-1:]):
         setting = Setting('speculative', temperature, gamma)
         run = harness.collect(harness.compile_setting(setting, pair, batches).one_pass(),
                               len(texts))
@@ -118,7 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   results = {'meta': harness.meta(NAME, argv, args, description='embedded Multi30k target',
                                   gammas=args.gamma_list), 'drafts': {}}
   for name, pair in pairs.items():
-    rows = draft_rows(pair, sources, args.temperature_list, args.gamma_list, args.batch_size)
+    rows = draft_rows(pair, sources, args.temperature_list, args.gamma_list,
+                      args.sweep_temperature, args.batch_size)
     results['drafts'][name] = {'info': info[name], 'rows': rows}
     paths = harness.write_results(args, NAME, results, markdown)
   print('wrote', *paths)

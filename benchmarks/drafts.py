@@ -30,20 +30,29 @@ NAME = 'drafts'
 Key = Tuple[Optional[str], Setting]  # (draft name, or None for the target alone; setting)
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, Dict[str, str]]:
-  p = harness.parser(__doc__, sentences='1:80,8:160', gammas='1,2,3', rounds=5)
+def add_pair_flags(p: Any) -> None:
+  """--drafts (name=weights pairs) and --target, shared with benchmarks.draft_acceptance."""
   p.add_argument('--drafts', default=f'shipped={pipeline.EMBEDDED_DRAFT}',
                  help='name=weights_file pairs, comma-separated')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
+
+
+def parse_drafts(spec: str) -> Dict[str, str]:
+  """'a=x.msgpack,b=y.msgpack' -> {name: path}; exits with one line on bad input."""
+  try:
+    return dict(pair.split('=', 1) for pair in spec.split(','))
+  except ValueError:
+    raise SystemExit(f'error: --drafts wants name=path pairs, got {spec!r}') from None
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, Dict[str, str]]:
+  p = harness.parser(__doc__, sentences='1:80,8:160', gammas='1,2,3', rounds=5)
+  add_pair_flags(p)
   p.add_argument('--sampling_gammas', default='1', help='gammas at temperature 1 (empty: none)')
   p.add_argument('--bleu_sentences', type=int, default=0,
                  help="test sentences for each draft's own BLEU (0: all)")
   args = p.parse_args(argv)
-  try:
-    drafts = dict(pair.split('=', 1) for pair in args.drafts.split(','))
-  except ValueError:
-    raise SystemExit('error: --drafts wants name=path pairs') from None
-  return args, drafts
+  return args, parse_drafts(args.drafts)
 
 
 def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],

@@ -23,7 +23,7 @@ Writes verifiers.json (after every part) and verifiers.md.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks import harness
 from benchmarks import speed
@@ -34,8 +34,6 @@ from speculative_t5x import pipeline
 from speculative_t5x import trees
 
 NAME = 'verifiers'
-# (temperature, top-p) of the acceptance grid.
-SAMPLING = ((1.0, 0.0), (0.7, 0.0), (1.0, 0.9))
 # Rows per verify call above which this CPU's step is arithmetic-bound (docs/engine.md).
 ARITHMETIC_BOUND_ROWS = 9
 
@@ -45,6 +43,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--count_sentences', type=int, default=1000,
                  help='test captions of the acceptance grid (0: skip it)')
   p.add_argument('--count_batch', type=int, default=32, help='batch size of the acceptance grid')
+  p.add_argument('--sampling', default='1:0,0.7:0,1:0.9',
+                 help='temperature:top-p settings of the acceptance grid (trees at the first)')
   p.add_argument('--trees', default='2;3;4;2,1;3,1;4,1;2,2;3,1,1;2,1,1,1',
                  help="token tree shapes of the acceptance grid, ';' between shapes")
   p.add_argument('--speed_gammas', default='1,2',
@@ -56,6 +56,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   args.gamma_list = harness.parse_ints(args.gammas, '--gammas')
   args.speed_gamma_list = harness.parse_ints(args.speed_gammas, '--speed_gammas')
   args.tree_list = parse_trees(args.trees, '--trees')
+  try:
+    args.sampling_list = [tuple(float(v) for v in pair.split(':'))
+                          for pair in args.sampling.split(',') if pair]
+    assert all(len(pair) == 2 for pair in args.sampling_list)
+  except (ValueError, AssertionError):
+    raise SystemExit(f"error: --sampling wants temperature:top-p pairs like 1:0,1:0.9, got "
+                     f"{args.sampling!r}") from None
   args.speed_tree_list = parse_trees(args.speed_trees, '--speed_trees')
   # benchmarks.speed.batch_block's flags: no HF rows here.
   args.no_hf, args.hf_gammas, args.hf_threads = True, '', 1
@@ -74,20 +81,24 @@ def parse_trees(spec: str, flag: str) -> List[str]:
   return shapes
 
 
-def grid_settings(gammas: Sequence[int], tree_shapes: Sequence[str]) -> List[Setting]:
-  """The acceptance grid: every sampling setting's chains (both verifiers) and trees."""
+def grid_settings(sampling: Sequence[Tuple[float, float]], gammas: Sequence[int],
+                  tree_shapes: Sequence[str]) -> List[Setting]:
+  """The acceptance grid: every (temperature, top-p)'s chains (both verifiers); trees at the
+  first (T=1 by default, the setting of the paper's headline)."""
   settings = []
-  for temperature, topp in SAMPLING:
+  for temperature, topp in sampling:
     settings += [Setting('speculative', temperature, g, topp=topp, verification=v)
                  for g in gammas for v in decoding.VERIFICATIONS]
-    if (temperature, topp) == SAMPLING[0]:  # trees at T=1, the setting of the paper's headline
+    if (temperature, topp) == tuple(sampling[0]):
       settings += [Setting('tree', temperature, topp=topp, branching=b) for b in tree_shapes]
   return settings
 
 
 def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], settings: Sequence[Setting],
-                    batch_size: int) -> List[Dict[str, Any]]:
-  """One row per setting: counts from one pass over `sources` (the same seeds for all)."""
+                    batch_size: int, written: Callable[[List[Dict[str, Any]]], Any]
+                    ) -> List[Dict[str, Any]]:
+  """One row per setting: counts from one pass over `sources` (the same seeds for all);
+  `written(rows)` after every row, so that a killed run keeps what it counted."""
   batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
                                  width=harness.INPUT_LENGTH)
   rows = []
@@ -100,6 +111,7 @@ def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], settings: Seque
                                            'accepted_fraction')}})
     print(f"{setting.name}: alpha {counts['alpha']:.3f}, "
           f"{counts['tokens_per_call']:.3f} tokens per call", flush=True)
+    written(rows)
   return rows
 
 
@@ -184,10 +196,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                   count_sentences=args.count_sentences,
                                   count_batch=args.count_batch), 'batches': {}}
   if args.count_sentences:
-    results['acceptance'] = acceptance_grid(
-        pair, sources[:args.count_sentences], grid_settings(args.gamma_list, args.tree_list),
-        args.count_batch)
-    paths = harness.write_results(args, NAME, results, markdown)
+
+    def written(rows):
+      results['acceptance'] = rows
+      return harness.write_results(args, NAME, results, markdown)
+
+    acceptance_grid(pair, sources[:args.count_sentences],
+                    grid_settings(args.sampling_list, args.gamma_list, args.tree_list),
+                    args.count_batch, written)
+    paths = written(results['acceptance'])
   if args.speed_gamma_list or args.speed_tree_list:
     settings = speed_settings(args.speed_gamma_list, args.speed_tree_list)
     for batch_size, count in harness.parse_sentences(args.sentences).items():

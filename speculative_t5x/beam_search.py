@@ -22,17 +22,16 @@ Shapes: `batch` examples, `beam` = num_decodes, `vocab` output classes, `length`
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from speculative_t5x.decoding import DecodeStats, DecodingState, TreeDecodingState, cache_map
+from speculative_t5x.decoding import DecodeStats, DecodingState, cache_map
 from speculative_t5x.decoding import match_container
-from speculative_t5x.trees import TokenTree, token_tree
+from speculative_t5x.trees import TokenTree, check_tree_caches, token_tree
 from speculative_t5x.trees import call_tree as _call_tree
 
 Array = jnp.ndarray
@@ -640,11 +639,7 @@ def speculative_beam_search(inputs: Array,
   """
   branching = tuple(int(b) for b in branching)
   tree = token_tree(branching)
-  if cache_offset != 0 or not hasattr(cache, 'keep_tree_path') or not hasattr(
-      draft_cache, 'keep_tree_path'):
-    raise ValueError('speculative_beam_search needs network.DecoderCache caches (cache_offset 0) '
-                     f'for target and draft; got {type(cache).__name__} and '
-                     f'{type(draft_cache).__name__}.')
+  check_tree_caches('speculative_beam_search', cache, draft_cache, cache_offset)
   beam = num_decodes
   batch, input_length = inputs.shape
   length = input_length if max_decode_len is None else max_decode_len

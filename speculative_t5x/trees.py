@@ -98,6 +98,15 @@ def token_tree(branching: Sequence[int]) -> TokenTree:
   return TokenTree(np.asarray(depths, np.int32), ancestors, paths, children, tuple(level_starts))
 
 
+def check_tree_caches(decoder: str, cache: PyTree, draft_cache: PyTree,
+                      cache_offset: int) -> None:
+  """Raises ValueError unless both caches can hold a tree (`network.DecoderCache`s, offset 0)."""
+  if cache_offset != 0 or not hasattr(cache, 'keep_tree_path') or not hasattr(
+      draft_cache, 'keep_tree_path'):
+    raise ValueError(f'{decoder} needs network.DecoderCache caches (cache_offset 0) for target '
+                     f'and draft; got {type(cache).__name__} and {type(draft_cache).__name__}.')
+
+
 def call_tree(fn: Callable, tokens: Array, index: Array, cache: PyTree, sequences: Array,
               tree: Optional[TokenTree] = None, end: int = 0) -> Tuple[Array, PyTree]:
   """Feeds the nodes end - k..end-1 of `tree` (tokens [rows, k]) -> (logits [rows, k, vocab]).
@@ -350,11 +359,7 @@ def tree_speculative_sample(inputs: Array, cache: PyTree, tokens_to_logits: Call
   """
   branching = tuple(int(b) for b in branching)
   tree = token_tree(branching)
-  if cache_offset != 0 or not hasattr(cache, 'keep_tree_path') or not hasattr(
-      draft_cache, 'keep_tree_path'):
-    raise ValueError('tree_speculative_sample needs network.DecoderCache caches (cache_offset '
-                     f'0) for target and draft; got {type(cache).__name__} and '
-                     f'{type(draft_cache).__name__}.')
+  check_tree_caches('tree_speculative_sample', cache, draft_cache, cache_offset)
   cfg = decoding._LoopConfig(gamma=tree.max_depth, rule=decoding.speculative_rule(),
                              temperature=temperature, topk=topk, topp=topp,
                              rescale_log_probs=rescale_log_probs, confidence_threshold=0.0,

@@ -161,7 +161,8 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
 
 def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   draft_acceptance.main(data_args + ['--out_dir', str(tmp_path), '--gammas', '1,2',
-                                     '--temperatures', '0', '--longest', '2',
+                                     '--temperatures', '0', '--sweep_temperature', '0',
+                                     '--longest', '2',
                                      '--max_sentences', '4', '--batch_size', '4'])
   results = written(tmp_path, 'draft_acceptance', 'Draft acceptance')
   rows = results['drafts']['shipped']['rows']

@@ -22,7 +22,7 @@ from speculative_t5x import decoding
 from speculative_t5x import trees
 from conftest import start_decoding
 from test_decoding import NUM_SAMPLES, SMALL_EOS, SMALL_LEN, _chi_square_p_value
-from test_guarantees import DRAFT, ENC, SAME, TARGET, _p_value, _sample, _target_distribution
+from test_guarantees import DRAFT, ENC, SAME, TARGET, _p_value, _sample
 
 VOCAB = 3
 
@@ -172,18 +172,23 @@ def test_block_with_weights_not_carried_is_caught_by_the_decoder_test(monkeypatc
   assert p_value < 1e-6
 
 
-def test_block_verification_at_temperature_zero_is_greedy():
-  """Per-row temperatures of 0 take the sampled branch on one-hot distributions: block verdicts
-  must give the target's greedy tokens, as the static greedy branch does."""
-  rows = 64
+def _greedy_rows(rows=64):
+  """(the pair's decoder arguments for `rows` random inputs, the target's greedy decodes)."""
   encs = jax.random.randint(jax.random.PRNGKey(3), (rows, 4), 2, 6).astype(jnp.int32)
   cache, t2l = start_decoding(*TARGET, encs, SMALL_LEN)
   draft_cache, d2l = start_decoding(*DRAFT, encs, SMALL_LEN)
   inputs = jnp.zeros((rows, SMALL_LEN), jnp.int32)
   greedy = decoding.temperature_sample(inputs, cache, t2l, SMALL_EOS, temperature=0.0)[0]
+  return (inputs, cache, t2l, draft_cache, d2l, SMALL_EOS), greedy
+
+
+def test_block_verification_at_temperature_zero_is_greedy():
+  """Per-row temperatures of 0 take the sampled branch on one-hot distributions: block verdicts
+  must give the target's greedy tokens, as the static greedy branch does."""
+  args, greedy = _greedy_rows()
   block, _, stats = decoding.speculative_sample(
-      inputs, cache, t2l, draft_cache, d2l, SMALL_EOS, gamma=3, verification='block',
-      temperature=jnp.zeros((rows,)), return_stats=True)
+      *args, gamma=3, verification='block', temperature=jnp.zeros((len(greedy),)),
+      return_stats=True)
   np.testing.assert_array_equal(np.asarray(block), np.asarray(greedy))
   assert 0 < int(np.asarray(stats.rollbacks).sum())  # the draft disagrees somewhere
 
@@ -263,14 +268,8 @@ def test_a_wider_first_level_keeps_more_than_the_chain():
 
 @pytest.mark.parametrize('branching', [(1,), (3,), (2, 2)])
 def test_greedy_trees_are_the_targets_greedy_output(branching):
-  rows = 64
-  encs = jax.random.randint(jax.random.PRNGKey(3), (rows, 4), 2, 6).astype(jnp.int32)
-  cache, t2l = start_decoding(*TARGET, encs, SMALL_LEN)
-  draft_cache, d2l = start_decoding(*DRAFT, encs, SMALL_LEN)
-  inputs = jnp.zeros((rows, SMALL_LEN), jnp.int32)
-  greedy = decoding.temperature_sample(inputs, cache, t2l, SMALL_EOS, temperature=0.0)[0]
-  out, _, stats = trees.tree_speculative_sample(inputs, cache, t2l, draft_cache, d2l, SMALL_EOS,
-                                                branching=branching, temperature=0.0,
+  args, greedy = _greedy_rows()
+  out, _, stats = trees.tree_speculative_sample(*args, branching=branching, temperature=0.0,
                                                 return_stats=True)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(greedy))
   assert 0 < int(np.asarray(stats.rollbacks).sum())
