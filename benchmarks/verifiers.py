@@ -12,6 +12,11 @@ Settings: T=1, T=0.7 and T=1 with top-p 0.9. Token trees (`trees.tree_speculativ
 --trees, ';' between shapes) at T=1, against the chain of the same depth and the chain
 of as many verified rows (tree nodes = gamma + 1).
 
+Greedy identity: the first --greedy_sentences test captions decoded by the target alone at
+T=0 and by block verification (each of --greedy_gammas) and greedy token trees (each of
+--greedy_trees) at a [batch] temperature operand of zeros, so that both run their sampled
+loops' greedy rows; the fraction of outputs token-identical to the target's.
+
 Speed: for each --sentences pair, target-only sampling at T=1 against speculative sampling at
 each --speed_gammas with both verifiers and the --speed_trees, timed round-robin as `benchmarks.speed` times them
 (its `batch_block`). On this CPU a verify call over more than ~9 rows (batch x (gamma + 1)) is
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from benchmarks import harness
 from benchmarks import speed
@@ -47,6 +54,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help='temperature:top-p settings of the acceptance grid (trees at the first)')
   p.add_argument('--trees', default='2;3;4;2,1;3,1;4,1;2,2;3,1,1;2,1,1,1',
                  help="token tree shapes of the acceptance grid, ';' between shapes")
+  p.add_argument('--greedy_sentences', type=int, default=1000,
+                 help='test captions of the greedy identity check (0: skip it)')
+  p.add_argument('--greedy_gammas', default='2,4',
+                 help='gammas of block verification in the greedy identity check')
+  p.add_argument('--greedy_trees', default='2,1,1;3,1',
+                 help="tree shapes of the greedy identity check, ';' between shapes")
   p.add_argument('--speed_gammas', default='1,2',
                  help='gammas timed against target-only sampling (empty: none)')
   p.add_argument('--speed_trees', default='2;3,1', help="tree shapes timed (empty: none)")
@@ -56,6 +69,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   args.gamma_list = harness.parse_ints(args.gammas, '--gammas')
   args.speed_gamma_list = harness.parse_ints(args.speed_gammas, '--speed_gammas')
   args.tree_list = parse_trees(args.trees, '--trees')
+  args.greedy_gamma_list = harness.parse_ints(args.greedy_gammas, '--greedy_gammas')
+  args.greedy_tree_list = parse_trees(args.greedy_trees, '--greedy_trees')
   try:
     args.sampling_list = [tuple(float(v) for v in pair.split(':'))
                           for pair in args.sampling.split(',') if pair]
@@ -115,6 +130,30 @@ def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], settings: Seque
   return rows
 
 
+def greedy_identity(pair: pipeline.Pair, sources: Sequence[str], batch_size: int,
+                    gammas: Sequence[int], tree_shapes: Sequence[str],
+                    written: Callable[[List[Dict[str, Any]]], Any]) -> List[Dict[str, Any]]:
+  """Per verifier: the fraction of `sources` whose output is the target's greedy output, token
+  for token, at a temperature operand of zeros (the sampled loop's greedy rows)."""
+  batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
+                                 width=harness.INPUT_LENGTH)
+  decode = lambda setting, overrides=None: harness.collect(harness.compile_setting(
+      setting, pair, batches, decode_overrides=overrides).one_pass(), len(sources))
+  greedy = decode(Setting('baseline', 0.0))['decodes']
+  zeros = {'temperature': np.zeros(batch_size, np.float32)}
+  rows = []
+  for setting in ([Setting('speculative', 0.0, g, verification='block') for g in gammas] +
+                  [Setting('tree', 0.0, branching=b) for b in tree_shapes]):
+    run = decode(setting, zeros)
+    rows.append({'name': setting.name, **setting._asdict(),
+                 'identical': float(np.mean(np.all(run['decodes'] == greedy, axis=1))),
+                 'tokens_per_call': harness.acceptance(run['stats'])['tokens_per_call']})
+    print(f"{setting.name}: {rows[-1]['identical']:.1%} identical to the target's greedy",
+          flush=True)
+    written(rows)
+  return rows
+
+
 def speed_settings(gammas: Sequence[int], tree_shapes: Sequence[str]) -> List[Setting]:
   return ([Setting('baseline', 1.0)] +
           [Setting('speculative', 1.0, g, verification=v) for g in gammas
@@ -167,6 +206,12 @@ def markdown(results: Mapping[str, Any]) -> str:
     lines += harness.table(('sampling', 'tree', 'depth', 'nodes', 'alpha', 'tokens/call',
                             'tokens/call per row', 'vs chain, same depth',
                             'vs chain, same rows'), table) + ['']
+  if results.get('greedy'):
+    lines += [f"## Greedy identity ({results['meta']['greedy_sentences']} test captions, "
+              f"batch {results['meta']['count_batch']}, temperature operand 0)", '']
+    lines += harness.table(('verifier', 'identical to the target greedy', 'tokens/call'), [
+        [r['name'], f"{r['identical']:.1%}", f"{r['tokens_per_call']:.3f}"]
+        for r in results['greedy']]) + ['']
   for batch_size, block in results.get('batches', {}).items():
     lines += [f"## Speed at batch {batch_size} ({block['num_sentences']} sentences, T=1; "
               f"median of {results['meta']['rounds']} interleaved rounds)", '']
@@ -194,17 +239,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                   'verification) and token trees, embedded Multi30k pair, '
                                   'test_2016_flickr',
                                   count_sentences=args.count_sentences,
-                                  count_batch=args.count_batch), 'batches': {}}
-  if args.count_sentences:
+                                  count_batch=args.count_batch,
+                                  greedy_sentences=args.greedy_sentences), 'batches': {}}
 
-    def written(rows):
-      results['acceptance'] = rows
+  def written(part):
+    def write(rows):
+      results[part] = rows
       return harness.write_results(args, NAME, results, markdown)
+    return write
 
+  paths = []
+  if args.count_sentences:
     acceptance_grid(pair, sources[:args.count_sentences],
                     grid_settings(args.sampling_list, args.gamma_list, args.tree_list),
-                    args.count_batch, written)
-    paths = written(results['acceptance'])
+                    args.count_batch, written('acceptance'))
+    paths = harness.write_results(args, NAME, results, markdown)
+  if args.greedy_sentences:
+    greedy_identity(pair, sources[:args.greedy_sentences], args.count_batch,
+                    args.greedy_gamma_list, args.greedy_tree_list, written('greedy'))
+    paths = harness.write_results(args, NAME, results, markdown)
   if args.speed_gamma_list or args.speed_tree_list:
     settings = speed_settings(args.speed_gamma_list, args.speed_tree_list)
     for batch_size, count in harness.parse_sentences(args.sentences).items():

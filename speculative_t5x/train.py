@@ -41,7 +41,11 @@ Settings (gin: `train.NAME`):
     `checkpoints.export_weights`).
   distillation: 'none'; 'sequence' (targets = the teacher's greedy outputs for the training
     inputs, cached in `distillation_cache`); or 'token' (loss = (1 - kd_weight) * CE +
-    kd_weight * T^2 D(teacher_T, student_T) on the real targets).
+    kd_weight * T^2 D(teacher_T, student_T) over `kd_sequences`).
+  kd_sequences: the sequences token distillation runs the teacher and student on: 'data' (the
+    real targets), 'teacher' (the teacher's greedy outputs, as sequence distillation's, cached in
+    `distillation_cache`: the prefixes greedy speculative decoding visits) or 'both' (each
+    input twice, once with each).
   kd_divergence: D of token distillation: 'forward_kl', 'reverse_kl', 'jsd' or 'tv' (total
     variation, whose complement is speculative sampling's per-token acceptance).
   teacher: the teacher's exported weights file or training folder (distillation only).
@@ -82,6 +86,8 @@ PyTree = Any
 State = Dict[str, Any]
 # A teacher's (config, params), or (None, None) without distillation.
 Teacher = Tuple[Optional[network.T5Config], Optional[PyTree]]
+# Where token distillation's sequences come from (`train`'s kd_sequences).
+KD_SEQUENCES = ('data', 'teacher', 'both')
 
 # Gin's handle on T5Config (`@network.T5Config()` in gin files); calling it applies the bindings.
 GinT5Config = gin.external_configurable(network.T5Config, module='network')
@@ -168,14 +174,14 @@ def train(*,
           export_path: Optional[str] = None,
           distillation: str = 'none', teacher: Optional[str] = None,
           kd_weight: float = 1.0, kd_temperature: float = 1.0,
-          kd_divergence: str = 'forward_kl',
+          kd_divergence: str = 'forward_kl', kd_sequences: str = 'data',
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
           init_from: Optional[str] = None) -> Dict[str, Any]:
   """Trains (or resumes) a model; returns the final metrics.
   Each setting is described in this module's docstring ("Settings").
   """
   distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache,
-                          kd_divergence)
+                          kd_divergence, kd_sequences)
   model_dir = _prepare_model_dir(model_dir, config)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
                      data_dir, mixture_or_task_name, batch_size, pack, seed)
@@ -228,6 +234,7 @@ class _Distillation:
   temperature: float
   cache: Optional[str]
   divergence: str = 'forward_kl'
+  sequences: str = 'data'  # token distillation's: 'data', 'teacher' or 'both'
 
   def __post_init__(self):
     if self.mode not in ('none', 'sequence', 'token'):
@@ -236,6 +243,13 @@ class _Distillation:
     if self.divergence not in evaluation.DIVERGENCES:
       raise ValueError(f'kd_divergence must be one of {evaluation.DIVERGENCES}, not '
                        f'{self.divergence!r}.')
+    if self.sequences not in KD_SEQUENCES:
+      raise ValueError(f'kd_sequences must be one of {KD_SEQUENCES}, not {self.sequences!r}.')
+
+  @property
+  def uses_teacher_outputs(self) -> bool:
+    """Whether training targets include the teacher's greedy outputs."""
+    return self.mode == 'sequence' or (self.mode == 'token' and self.sequences != 'data')
 
   def load_teacher(self, config: network.T5Config) -> Teacher:
     """The teacher's (config, params), or (None, None) without distillation."""
@@ -282,15 +296,20 @@ def _training_data(dataset: _Dataset, config: network.T5Config, distill: _Distil
                    decode_batch_size: int) -> Tuple[data.PackedBatches, int, Teacher]:
   """(training batches, number of training pairs, teacher).
 
-  With sequence distillation the targets are the teacher's greedy outputs for the inputs,
-  decoded `decode_batch_size` rows at a time (or read from the distillation cache).
+  With sequence distillation (and token distillation over the teacher's sequences) the targets
+  are the teacher's greedy outputs for the inputs, decoded `decode_batch_size` rows at a time
+  (or read from the distillation cache); with kd_sequences 'both', each input appears twice.
   """
   _, _, inputs, targets = dataset.load('train', max_examples=max_examples)
   teacher = distill.load_teacher(config)
-  if distill.mode == 'sequence':
-    targets = evaluation.sequence_distillation_targets(
+  if distill.uses_teacher_outputs:
+    outputs = evaluation.sequence_distillation_targets(
         *teacher, inputs, dataset.max_input_length, dataset.max_target_length, distill.cache,
         decode_batch_size)
+    if distill.mode == 'token' and distill.sequences == 'both':
+      inputs, targets = list(inputs) + list(inputs), list(targets) + outputs
+    else:
+      targets = outputs
   return dataset.batches(inputs, targets), len(inputs), teacher
 
 

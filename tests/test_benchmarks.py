@@ -146,7 +146,9 @@ def test_engine(tmp_path: pathlib.Path, data_args: List[str]) -> None:
 def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   verifiers.main(data_args + ['--out_dir', str(tmp_path), '--count_sentences', '4',
                               '--count_batch', '4', '--gammas', '1', '--trees', '2',
-                              '--sentences', '1:1', '--speed_gammas', '', '--speed_trees', '2',
+                              '--greedy_sentences', '6', '--greedy_gammas', '2',
+                              '--greedy_trees', '2,1', '--sentences', '1:1', '--speed_gammas', '',
+                              '--speed_trees', '2',
                               '--rounds', '1'])
   results = written(tmp_path, 'verifiers', 'Verifiers')
   names = [r['name'] for r in results['acceptance']]
@@ -157,6 +159,9 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   rows = [r['name'] for r in results['batches']['1']['rows']]
   assert rows == ['target-only T=1', 'tree (2) T=1']
   assert '| T=1 | (2) | 1 | 3 |' in (tmp_path / 'verifiers.md').read_text()
+  # Greedy rows of the sampled loops are the target's greedy output.
+  assert [(r['name'], r['identical']) for r in results['greedy']] == [
+      ('speculative gamma=2 block T=0', 1.0), ('tree (2,1) T=0', 1.0)]
 
 
 def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:

@@ -1,6 +1,9 @@
 """The shipped gin configs parse, build what they say, and agree with T5X and with training."""
 
+import os
 import pathlib
+import shlex
+import subprocess
 
 import gin
 import pytest
@@ -9,6 +12,7 @@ from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import infer  # registers the configurables
 from speculative_t5x import network
+from speculative_t5x import train  # noqa: F401  (registers train)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / 'gin_configs'
@@ -116,3 +120,32 @@ def test_infer_run_config_builds_the_multi30k_model(run, source, tmp_path, monke
 def test_base_infer_config_requires_its_macros():
   with pytest.raises(ValueError, match='INFER_OUTPUT_DIR.*gin.REQUIRED'):
     gin.parse_config_files_and_bindings([str(CONFIGS / 'runs' / 'infer.gin')], [])
+
+
+def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
+  """scripts/train_pair.sh: each stage's gin file parses with the script's overrides; every path
+  it reads or writes is in the output folder, and each draft stage starts from the last."""
+  out = tmp_path / 'pair'
+  printed = subprocess.run(['bash', str(REPO / 'scripts' / 'train_pair.sh'), str(out)],
+                           env={**os.environ, 'DRY_RUN': '1'}, capture_output=True, text=True,
+                           check=True, cwd=REPO).stdout.splitlines()
+  assert len(printed) == 5 and not out.exists()
+  bound = []
+  for line in printed:
+    words = shlex.split(line)
+    gin_file = words[words.index('-m') + 2].split('=', 1)[1]
+    bindings = [w[len('--gin.'):] for w in words
+                if w.startswith('--gin.')]
+    gin.clear_config()
+    gin.add_config_file_search_path(str(REPO))
+    gin.parse_config_files_and_bindings([str(REPO / gin_file)], bindings)
+    bound.append({k: gin.query_parameter(f'train.{k}') for k in (
+        'model_dir', 'export_path', 'teacher', 'init_from', 'distillation_cache')
+        if f'train.{k}' in gin.config_str()})
+  exports = [b['export_path'] for b in bound]
+  assert exports == [str(out / n) + '.msgpack' for n in (
+      'target', 'draft_undistilled', 'draft_seq_6000', 'draft', 'draft_token_mixed')]
+  for i, b in enumerate(bound):
+    assert all(str(v).startswith(str(out)) for v in b.values()), b
+    if i >= 2:  # the distillation stages
+      assert b['teacher'] == exports[0] and b['init_from'] == exports[i - 1], b

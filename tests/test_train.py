@@ -168,3 +168,31 @@ def test_token_distillation_runs(multi30k, tmp_path):
   assert len(kd_losses) == 1, kd_losses  # log_every=1: the one step's record has its KD loss
   # A random student against a random teacher: the KL is positive (0 only if they agree).
   assert all(np.isfinite(kd) and kd > 0 for kd in kd_losses), kd_losses
+
+
+@pytest.mark.parametrize('sequences', ['data', 'teacher', 'both'])
+def test_token_distillation_sequences(multi30k, tmp_path, sequences):
+  """kd_sequences picks the pairs token distillation trains on: the real targets, the teacher's
+  greedy outputs (the cache sequence distillation writes), or each input once with each."""
+  teacher_config = _tiny_config(dropout_rate=0.0)
+  params, _ = network.init_params(teacher_config, jax.random.PRNGKey(3))
+  weights = tmp_path / 'teacher.msgpack'
+  checkpoints.export_weights(params, teacher_config, weights)
+  cache = tmp_path / 'distill.npz'
+  distill = train_lib._Distillation('token', str(weights), 1.0, 1.0, str(cache), 'forward_kl',
+                                    sequences)
+  dataset = train_lib._Dataset('de', 'en', LENGTH, LENGTH, str(multi30k), None, 4, False, 0)
+  batches, num_pairs, _ = train_lib._training_data(dataset, _tiny_config(), distill, 12, 8)
+  _, _, inputs, targets = dataset.load('train', max_examples=12)
+  greedy = ([] if sequences == 'data' else
+            evaluation.sequence_distillation_targets(*distill.load_teacher(_tiny_config()),
+                                                     inputs, LENGTH, LENGTH, cache))
+  expected = {'data': targets, 'teacher': greedy, 'both': list(targets) + greedy}[sequences]
+  assert num_pairs == len(expected)
+  assert cache.exists() == (sequences != 'data')
+  assert sorted(map(tuple, batches.targets)) == sorted(map(tuple, expected))
+
+
+def test_unknown_kd_sequences_is_one_line():
+  with pytest.raises(ValueError, match='kd_sequences must be one of'):
+    train_lib._Distillation('token', 't.msgpack', 1.0, 1.0, None, 'forward_kl', 'beam')

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Reproduces every stage of the embedded pair from the data folder, into one output folder:
+#
+#   scripts/train_pair.sh [OUT]        # OUT defaults to runs/pair
+#
+# Stages (each a `speculative_t5x.train` job of the named gin file, about 5 hours in all on a
+# 2-core CPU):
+#   1 target            multi30k_target.gin                 -> OUT/target.msgpack
+#   2 undistilled draft multi30k_draft.gin                  -> OUT/draft_undistilled.msgpack
+#   3 sequence distill  multi30k_draft_seq_distill.gin      -> OUT/draft_seq_6000.msgpack
+#     (6,000 of the target's greedy outputs)
+#   4 sequence distill  multi30k_draft_seq_distill_full.gin -> OUT/draft.msgpack
+#     (all 29,000; the embedded draft)
+#   5 token distill     multi30k_draft_token_distill_mixed.gin -> OUT/draft_token_mixed.msgpack
+#     (for sampling: the target's distributions over real and greedy targets)
+#
+# Every path a stage reads or writes is redirected into OUT, so the shipped weights in
+# speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
+# skipped; a stage that was stopped resumes from its run folder's last checkpoint when the
+# script is run again. FIRST=N starts at stage N (its inputs must be in OUT); LAST=N stops
+# after stage N. DRY_RUN=1 prints each stage's command instead of running it. The data folder is
+# $SPECULATIVE_T5X_DATA (default ../shared/data).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-runs/pair}"
+FIRST="${FIRST:-1}"
+LAST="${LAST:-5}"
+DRY_RUN="${DRY_RUN:-}"
+[[ -n "$DRY_RUN" ]] || mkdir -p "$OUT"
+
+stage() {  # stage NUMBER NAME GIN_FILE [--gin.train.X=VALUE ...]
+  local number="$1" name="$2" gin_file="$3"
+  shift 3
+  if (( number < FIRST || number > LAST )); then return; fi
+  if [[ -f "$OUT/$name.msgpack" ]]; then
+    echo "stage $number ($name): $OUT/$name.msgpack exists, skipped"
+    return
+  fi
+  local command=(python -m speculative_t5x.train --gin_file="gin_configs/train/$gin_file"
+    --gin.train.model_dir="'$OUT/$name'" --gin.train.export_path="'$OUT/$name.msgpack'" "$@")
+  if [[ -n "$DRY_RUN" ]]; then
+    printf '%q ' "${command[@]}"
+    echo
+    return
+  fi
+  echo "stage $number ($name): gin_configs/train/$gin_file, log in $OUT/$name.log"
+  # The log keeps everything; the terminal shows the steps, evaluations and the export.
+  "${command[@]}" 2>&1 | tee "$OUT/$name.log" |
+    grep --line-buffered -E '^(step|Exported|Sequence|Resumed|Training time|  greedy)' || true
+  if [[ ! -f "$OUT/$name.msgpack" ]]; then
+    echo "stage $number ($name) wrote no weights: see $OUT/$name.log" >&2
+    exit 1
+  fi
+}
+
+teacher="--gin.train.teacher='$OUT/target.msgpack'"
+stage 1 target multi30k_target.gin
+stage 2 draft_undistilled multi30k_draft.gin
+stage 3 draft_seq_6000 multi30k_draft_seq_distill.gin "$teacher" \
+  --gin.train.init_from="'$OUT/draft_undistilled.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train.npz'"
+stage 4 draft multi30k_draft_seq_distill_full.gin "$teacher" \
+  --gin.train.init_from="'$OUT/draft_seq_6000.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+stage 5 draft_token_mixed multi30k_draft_token_distill_mixed.gin "$teacher" \
+  --gin.train.init_from="'$OUT/draft.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack)."
