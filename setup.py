@@ -41,16 +41,18 @@ setuptools.setup(
     extras_require={
         # torch==2.13.0: the CPU build this project's machines install from a local file
         # (any other torch resolves to a multi-GB CUDA build here); transformers >= 5 for the
-        # HF parity and assisted-generation tests.
+        # HF parity and assisted-generation tests; ctranslate2 for benchmarks.vs_ctranslate2's.
         'test': ['pytest>=7.0', 'pytest-xdist>=3.0', 'scipy>=1.10', 'sacrebleu>=2.0', 'torch==2.13.0',
-                 'transformers>=5.0'],
+                 'transformers>=5.0', 'ctranslate2>=4.8.5'],
         # seqio tasks (imports TensorFlow; the core modules never do) and BLEU.
         'data': ['seqio>=0.0.18', 'tensorflow-cpu>=2.13', 'sacrebleu>=2.0'],
         # Hugging Face folders: safetensors are read without these; pytorch_model.bin needs
         # torch, and the logit-parity tests build models with transformers.
         'hf': ['torch>=2.0', 'transformers>=4.30'],
         # benchmarks/ (python -m benchmarks.speed): plots, BLEU, and HF assisted generation
-        # (transformers 5 API).
-        'bench': ['matplotlib>=3.5', 'sacrebleu>=2.0', 'torch>=2.0', 'transformers>=5.0'],
+        # (transformers 5 API); benchmarks.vs_ctranslate2: CTranslate2 (4.8.5 tested; its T5
+        # converter needs torch and transformers).
+        'bench': ['matplotlib>=3.5', 'sacrebleu>=2.0', 'torch>=2.0', 'transformers>=5.0',
+                  'ctranslate2>=4.8.5'],
     },
 )

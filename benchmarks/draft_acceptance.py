@@ -29,7 +29,8 @@ NAME = 'draft_acceptance'
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, Dict[str, str]]:
-  p = harness.parser(__doc__, sentences='32:1000', gammas='1,2,3,4,5', rounds=1)
+  p = harness.parser(__doc__, sentences='32:1000', gammas='1,2,3,4,5', rounds=1,
+                     needs=[harness.BLEU])
   drafts_lib.add_pair_flags(p)
   p.add_argument('--temperatures', default='0,0.7,1', help='sampling temperatures')
   p.add_argument('--sweep_temperature', type=float, default=1.0,

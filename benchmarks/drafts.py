@@ -46,7 +46,8 @@ def parse_drafts(spec: str) -> Dict[str, str]:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, Dict[str, str]]:
-  p = harness.parser(__doc__, sentences='1:80,8:160', gammas='1,2,3', rounds=5)
+  p = harness.parser(__doc__, sentences='1:80,8:160', gammas='1,2,3', rounds=5,
+                     needs=[harness.BLEU])
   add_pair_flags(p)
   p.add_argument('--sampling_gammas', default='1', help='gammas at temperature 1 (empty: none)')
   p.add_argument('--bleu_sentences', type=int, default=0,

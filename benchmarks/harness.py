@@ -25,6 +25,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -137,10 +138,41 @@ def from_row(row: Mapping[str, Any]) -> Setting:
 PIECE_BATCHES = 16
 
 
-def parser(doc: str, *, sentences: str, gammas: Optional[str] = None,
-           rounds: int = 3) -> argparse.ArgumentParser:
-  """The flags every command shares, with the command's defaults; `doc` is its docstring."""
-  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+# (module, purpose) of an optional module a command needs; every one is in the bench extra.
+BLEU = ('sacrebleu', 'BLEU scores')
+
+
+def check_needs(needs: Sequence[Tuple[str, str]], extra: str = 'bench') -> None:
+  """Exits with one line `error: <modules> not installed (<purposes>): pip install ...` when a
+  module of `needs` ((module, purpose) pairs) is missing. Looked up, not imported: a benchmark
+  checks before it compiles anything, and torch stays out of a timed XLA process."""
+  missing = [(m, purpose) for m, purpose in needs if importlib.util.find_spec(m) is None]
+  if missing:
+    purposes = ', '.join(dict.fromkeys(purpose for _, purpose in missing))
+    raise SystemExit(f"error: {', '.join(m for m, _ in missing)} not installed ({purposes}): "
+                     f"pip install -e '.[{extra}]' (or pip install 'speculative_t5x[{extra}]')")
+
+
+class _Parser(argparse.ArgumentParser):
+  """The commands' parser: parse_args also checks the command's optional modules (after the
+  flags, so that --help works without them; before any work, so that a missing one costs
+  nothing)."""
+
+  def __init__(self, needs: Sequence[Tuple[str, str]], **kwargs: Any):
+    super().__init__(**kwargs)
+    self.needs = tuple(needs)
+
+  def parse_args(self, *args: Any, **kwargs: Any) -> argparse.Namespace:
+    namespace = super().parse_args(*args, **kwargs)
+    check_needs(self.needs)
+    return namespace
+
+
+def parser(doc: str, *, sentences: str, gammas: Optional[str] = None, rounds: int = 3,
+           needs: Sequence[Tuple[str, str]] = ()) -> argparse.ArgumentParser:
+  """The flags every command shares, with the command's defaults; `doc` is its docstring and
+  `needs` its optional modules ((module, purpose), e.g. BLEU), checked as it parses its flags."""
+  p = _Parser(needs, description=doc, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--sentences', default=sentences,
                  help='batch_size:number_of_sentences pairs (the first N test sentences)')
   if gammas is not None:

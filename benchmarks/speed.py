@@ -1,8 +1,12 @@
 """Speed of the embedded pair: target-only, speculative, BiLD, beam and HF assisted generation.
 
-  python -m benchmarks.speed                      # the full grid (long: hours on 2 CPU cores)
-  python -m benchmarks.speed --sentences 1:40,8:80 --gammas 1,2,auto --rounds 3
-  python -m benchmarks.speed --gammas '' --sampling_gammas '' --bild '' --beams '4:8,4:4;2'
+  python -m benchmarks.speed                      # greedy: target-only, gamma 1, 2, 'auto'
+  python -m benchmarks.speed --sampling_gammas 1,auto --bild 0.4:5 --beams 4:1,4:auto
+  python -m benchmarks.speed --gammas '' --beams '4:8,4:4;2'
+
+The defaults are a short run (about 3 minutes on 2 CPU cores): greedy only, at batch 1 and 8,
+without Hugging Face's assisted generation. Each family is opt-in; the runs behind the README's
+table are scripts/reproduce_results.sh.
 
 For every batch size the same sentences go through target-only decoding (the baseline),
 speculative decoding at each --gammas value (gamma='auto': `policy.DecodingPolicy` choosing per
@@ -77,17 +81,22 @@ def grid(gammas: Sequence[Any], sampling_gammas: Sequence[int],
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
-  p = harness.parser(__doc__, sentences='1:100,8:200,32:320', gammas='1,2,3,4,5,6,7,8,auto')
-  p.add_argument('--sampling_gammas', default='1,2,3,4,5,6,7,8',
-                 help='speculative gammas at temperature 1 (empty: none)')
-  p.add_argument('--bild', default=','.join(f'{f}:{r}' for f in BILD_FALLBACKS
-                                            for r in BILD_ROLLBACKS),
-                 help='BiLD fallback:rollback pairs (empty: none)')
-  p.add_argument('--no_adaptive', action='store_true', help='skip adaptive gamma')
+  p = harness.parser(__doc__, sentences='1:40,8:80', gammas='1,2,auto', needs=[harness.BLEU])
+  p.add_argument('--sampling_gammas', default='',
+                 help='speculative gammas at temperature 1, e.g. 1,2,auto (empty: none)')
+  p.add_argument('--bild', default='',
+                 help="BiLD fallback:rollback pairs, e.g. 0.4:5,0.6:5 (empty: none; 'grid': "
+                      f'fallbacks {BILD_FALLBACKS} x rollbacks {BILD_ROLLBACKS})')
+  p.add_argument('--adaptive', action='store_true',
+                 help='add adaptive gamma (up to the largest fixed gamma)')
+  p.add_argument('--no_adaptive', action='store_false', dest='adaptive',
+                 help='no adaptive gamma (the default)')
   p.add_argument('--beams', default='',
                  help='beam:branching pairs for beam_search vs speculative beam search, e.g. '
                       "'4:8,4:4;2' (branching per depth separated by ';'; empty: none)")
-  p.add_argument('--no_hf', action='store_true', help='skip HF assisted generation')
+  p.add_argument('--hf', action='store_true',
+                 help="add HF assisted generation at batch 1 (needs torch and transformers)")
+  p.add_argument('--no_hf', action='store_false', dest='hf', help='no HF rows (the default)')
   p.add_argument('--hf_gammas', default='4', help='constant HF assistant lengths to run')
   p.add_argument('--hf_threads', type=int, default=1,
                  help="PyTorch's intra-op threads for HF generation (0: one per CPU)")
@@ -95,7 +104,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
   try:
-    bild = [tuple(float(v) for v in pair.split(':')) for pair in args.bild.split(',') if pair]
+    bild = ([(f, r) for f in BILD_FALLBACKS for r in BILD_ROLLBACKS] if args.bild == 'grid' else
+            [tuple(float(v) for v in pair.split(':')) for pair in args.bild.split(',') if pair])
     beams = [(int(pair.split(':')[0]), pair.split(':')[1].replace(';', ','))
              for pair in args.beams.split(',') if pair]
   except (ValueError, IndexError):
@@ -103,7 +113,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
                      'beam:branching pairs like 4:8') from None
   settings = grid(harness.parse_gammas(args.gammas),
                   harness.parse_gammas(args.sampling_gammas, True, '--sampling_gammas'), bild,
-                  not args.no_adaptive, beams)
+                  args.adaptive, beams)
   if not settings:
     raise SystemExit('error: nothing to run (no gammas, BiLD pairs or beams)')
   return args, settings
@@ -209,7 +219,7 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   compiled = compile_all(pair, settings, batches, batch_size)
   passes = {s: functools.partial(c.pieces, args.piece_batches) for s, c in compiled.items()}
   hf = {}
-  if batch_size == 1 and not args.no_hf and Setting('baseline') in passes:
+  if batch_size == 1 and args.hf and Setting('baseline') in passes:
     try:
       hf = hf_passes(pair, sources, harness.parse_ints(args.hf_gammas, '--hf_gammas'),
                      args.hf_threads)

@@ -80,7 +80,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                      f"{args.sampling!r}") from None
   args.speed_tree_list = parse_trees(args.speed_trees, '--speed_trees')
   # benchmarks.speed.batch_block's flags: no HF rows here.
-  args.no_hf, args.hf_gammas, args.hf_threads = True, '', 1
+  args.hf, args.hf_gammas, args.hf_threads = False, '', 1
   return args
 
 

@@ -36,7 +36,7 @@ stage() {  # stage NUMBER NAME GIN_FILE [--gin.train.X=VALUE ...]
     echo "stage $number ($name): $OUT/$name.msgpack exists, skipped"
     return
   fi
-  local command=(python -m speculative_t5x.train --gin_file="gin_configs/train/$gin_file"
+  local command=("${PYTHON:-python}" -m speculative_t5x.train --gin_file="gin_configs/train/$gin_file"
     --gin.train.model_dir="'$OUT/$name'" --gin.train.export_path="'$OUT/$name.msgpack'" "$@")
   if [[ -n "$DRY_RUN" ]]; then
     printf '%q ' "${command[@]}"

@@ -7,7 +7,8 @@
 
 A chunk's records are written to a temporary file and renamed into place: the rename is the
 commit. A rerun of the same job (same `run_key`) skips committed chunks; a job with another key
-refuses the folder rather than mixing its chunks with these.
+refuses the folder rather than mixing its chunks with these. Once the COMPLETED mark is written
+the tmp- folder is removed: a finished job leaves only its documented files.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -130,3 +132,6 @@ class ChunkStore:
     atomic_write(self.summary_path, json.dumps(summary, indent=2))
     atomic_write(self.output_path.parent / 'operative_config.gin', operative_config)
     atomic_write(self.completed_path, '')
+    # After the mark: a job killed before it still has its chunks to resume from. The other
+    # processes are past their last read of the folder (infer syncs them before the merge).
+    shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -361,7 +361,8 @@ class PackedBatches:
 
 def corpus_bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
   """sacrebleu corpus BLEU (13a tokenization, as sacrebleu's default) of detokenized text."""
-  sacrebleu = speculative_t5x.require('sacrebleu', 'data', 'BLEU scores')
+  # The bench extra: sacrebleu without the data extra's TensorFlow (the test extra has it too).
+  sacrebleu = speculative_t5x.require('sacrebleu', 'bench', 'BLEU scores')
   return float(sacrebleu.corpus_bleu(list(predictions), [list(references)]).score)
 
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import textwrap
+import tokenize
 from pathlib import Path
-from typing import Callable, List, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Type, Union
 
 from absl import app
 from absl import flags
@@ -79,7 +82,9 @@ def define_gin_flags() -> None:
     flags.DEFINE_multi_string('gin_file', [], 'Gin files to parse, in order (relative paths: '
                               'the working directory, then the packaged gin_configs/).')
   if 'gin_bindings' not in flags.FLAGS:
-    flags.DEFINE_multi_string('gin_bindings', [], 'Gin bindings, e.g. infer_script.infer.x = 1.')
+    flags.DEFINE_multi_string('gin_bindings', [], "Gin bindings, after the files, e.g. "
+                              "'infer_script.infer.batch_size = 8'; --gin.NAME=VALUE is the same "
+                              '(T5X\'s form). String values need quotes: --gin.NAME="\'text\'".')
   if 'gin_search_paths' not in flags.FLAGS:
     flags.DEFINE_multi_string('gin_search_paths', ['.'], 'Folders searched for gin files and '
                               'includes, before the package.')
@@ -105,7 +110,12 @@ def rewrite_gin_args(argv: Sequence[str]) -> List[str]:
 
 def parse_gin_flags(gin_files: Sequence[str], gin_bindings: Sequence[str],
                     gin_search_paths: Sequence[str] = ('.',)) -> None:
-  """Parses the files then the bindings; includes resolve as the files do (see module doc)."""
+  """Parses the files then the bindings; includes resolve as the files do (see module doc).
+
+  Raises:
+    ValueError: one line naming the file or binding that does not parse (with the fix for a
+      string binding without quotes), or the macro still bound to %gin.REQUIRED.
+  """
   # After the user's folders: the one holding gin_configs/ (the package in a wheel, the clone's
   # root otherwise), then the package's parent for 'speculative_t5x/...'.
   packaged = [str(GIN_CONFIGS_DIR.parent), str(_PACKAGE_PARENT)]
@@ -115,9 +125,59 @@ def parse_gin_flags(gin_files: Sequence[str], gin_bindings: Sequence[str],
   # it; a missing file still raises (and is reported as one line by the jobs).
   logging.disable(logging.ERROR)
   try:
-    gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings))
+    # One file and one binding at a time (gin.parse_config_files_and_bindings's order), so that
+    # a syntax error names the one it is in: gin's own error says only "line 1".
+    for path in gin_files:
+      _parse_one(gin.parse_config_file, path, f'file {path}')
+    for binding in gin_bindings:
+      _parse_one(gin.parse_config, binding, f'binding {binding!r}', _quote_hint(binding),
+                 also=(ValueError,))
+    try:
+      gin.finalize()
+    except ValueError as e:
+      raise ValueError(_required_macro_line(e)) from None
   finally:
     logging.disable(logging.NOTSET)
+
+
+def _parse_one(parse: Callable[[str], object], text: str, what: str, hint: str = '',
+               also: Tuple[Type[Exception], ...] = ()) -> None:
+  """parse(text); a syntax error, or one of the `also` errors, as one ValueError line naming
+  `what` (or the file and line an included file's error is at)."""
+  try:
+    parse(text)
+  except (SyntaxError, tokenize.TokenError, *also) as e:
+    if isinstance(e, SyntaxError) and e.filename:
+      what = f'file {e.filename}, line {e.lineno} ({(e.text or "").strip()})'
+    message = e.msg if isinstance(e, SyntaxError) else str(e.args[0] if e.args else e)
+    # gin's messages may go on with context lines and Python object addresses: keep the
+    # first line that says something to a user.
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    first = next((line for line in lines if ' at 0x' not in line), type(e).__name__)
+    raise ValueError(f'{what}: {first.rstrip(".")}{hint}') from None
+
+
+def _quote_hint(binding: str) -> str:
+  """The fix for a binding whose value may be a string without quotes ('' for other values):
+  gin reads `--gin.DIR=/tmp/x` as the unparseable expression /tmp/x."""
+  name, _, value = binding.partition('=')
+  name, value = name.strip(), value.strip()
+  if not value or value[0] in '\'"([{%@-' or value[0].isdigit():
+    return ''
+  return f'; a string value needs quotes: --gin.{name}="\'{value}\'"'
+
+
+_REQUIRED_MACRO = re.compile(r'^(\w+)/macro\.value set to `%gin\.REQUIRED`')
+
+
+def _required_macro_line(e: ValueError) -> str:
+  """gin's error for a macro left at %gin.REQUIRED, as what to set; other errors as they are."""
+  match = _REQUIRED_MACRO.match(str(e))
+  if not match:
+    return error_line(e)
+  name = match.group(1)
+  return (f'{name} is required and not set: add --gin.{name}=VALUE (a string value in quotes: '
+          f'--gin.{name}="\'...\'")')
 
 
 def error_line(e: BaseException) -> str:
@@ -133,16 +193,77 @@ def error_line(e: BaseException) -> str:
   return f'{lines[0]} ({where})' if where and where != lines[0] else lines[0]
 
 
+# The flags that print a job's help (absl's own --help lists only flags that the __main__
+# module defines: none of a console script's).
+HELP_ARGS = ('-h', '--help', '--helpshort', '-?')
+_HELP_WIDTH = 100
+_HELP_INDENT = 26
+
+
+def help_entry(name: str, text: str) -> str:
+  """One entry of a help listing: `name`, then `text` wrapped beside it (below a long name)."""
+  indent = ' ' * _HELP_INDENT
+  head = f'  {name}'
+  if len(head) > _HELP_INDENT - 2:
+    return head + '\n' + textwrap.fill(text, _HELP_WIDTH, initial_indent=indent,
+                                       subsequent_indent=indent)
+  return textwrap.fill(text, _HELP_WIDTH, initial_indent=head.ljust(_HELP_INDENT),
+                       subsequent_indent=indent)
+
+
+def flags_help(names: Sequence[str]) -> str:
+  """The absl flags `names` as a help listing: each one's help text, default, repeatability."""
+  entries = []
+  for name in names:
+    flag = flags.FLAGS[name]
+    notes = ['repeatable'] if isinstance(flag, flags.MultiFlag) else []
+    if flag.default not in (None, [], ''):
+      notes.append(f'default: {flag.default!r}')
+    note = f' ({"; ".join(notes)})' if notes else ''
+    # absl appends its own "repeat this option ..." sentence to a multi flag's help.
+    text = re.sub(r';\s*repeat this option.*', '', flag.help, flags=re.DOTALL)
+    entries.append(help_entry(f'--{name}', f'{text}{note}'))
+  return '\n'.join(entries)
+
+
+def gin_files_help(folders: Sequence[str]) -> str:
+  """The packaged gin files of `folders` (under gin_configs/) as a help listing, each with the
+  first sentence of its opening comment: the listing follows the files as they change."""
+  entries = []
+  for folder in folders:
+    for path in sorted((GIN_CONFIGS_DIR / folder).glob('*.gin')):
+      comment = []
+      for line in path.read_text(encoding='utf-8').splitlines():
+        if not line.startswith('#'):
+          break
+        comment.append(line.lstrip('#').strip())
+      # A sentence ends at a period before a capital ("et al. 2023" goes on).
+      first = re.split(r'(?<=\.)\s+(?=[A-Z])', ' '.join(comment), maxsplit=1)[0]
+      entries.append(help_entry(f'gin_configs/{folder}/{path.name}',
+                                textwrap.shorten(first, 130, placeholder=' ...')))
+  return '\n'.join(entries)
+
+
 def exit_with_error(message: str) -> None:
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(1)
 
 
-def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] = None) -> None:
-  """`absl.app.run(main)` with the gin flags defined and `--gin.NAME=VALUE` rewritten."""
+def run(main: Callable[[Sequence[str]], None], argv: Optional[Sequence[str]] = None,
+        help_text: Optional[Callable[[], str]] = None) -> None:
+  """`absl.app.run(main)` for a job's command: the gin flags defined, `--gin.NAME=VALUE`
+  rewritten, --help printing `help_text()` (exit 0), JAX's backend probing kept off stderr."""
   define_gin_flags()
+  argv = list(sys.argv if argv is None else argv)
+  if help_text is not None and any(arg in HELP_ARGS for arg in argv[1:]):
+    print(help_text(), flush=True)
+    sys.exit(0)
+  # JAX logs at INFO why each backend it probes is absent ("Unable to initialize backend
+  # 'tpu'"); absl's handler, which app.run installs, would print that before a job's own output
+  # and errors. Its warnings (a missing GPU build) still show.
+  logging.getLogger('jax').setLevel(logging.WARNING)
   try:
-    argv = rewrite_gin_args(sys.argv if argv is None else argv)
+    argv = rewrite_gin_args(argv)
   except ValueError as e:
     exit_with_error(str(e))
   app.run(main, argv=argv)

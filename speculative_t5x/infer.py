@@ -10,7 +10,8 @@ given as relative paths are found in the working directory first, then in the in
 (`gin_utils.resolve_path`), so the packaged configs work from any directory.
 
 Input: a seqio task (MIXTURE_OR_TASK_NAME, split) or a file (INPUT_FILE): plain text (one input
-per line), TSV (input, optional target) or JSONL ({"inputs": ..., "targets": ...}).
+per line), TSV (input<TAB>target on every line; a first line exactly `inputs<TAB>targets` is a
+header, skipped) or JSONL ({"inputs": ..., "targets": ...}); the `inputs` module has the rules.
 Output, in INFER_OUTPUT_DIR, T5X's layout:
 
   <name>-predict_with_aux.jsonl-<shard>-of-<n>   one JSON object per example:
@@ -22,9 +23,10 @@ Output, in INFER_OUTPUT_DIR, T5X's layout:
 Resumability: examples are cut into chunks of `checkpoint_period` batches; a chunk's results are
 written to a temporary file and atomically renamed into `tmp-<name>-<shard>-of-<n>/`. A rerun
 of the same command skips committed chunks, so a job killed at any instant loses at most the
-chunk in flight and duplicates nothing. Every batch has the same shape (the last is padded), so
-the predict function is compiled once; its random key depends only on the chunk and batch
-numbers, so a resumed run samples exactly what an uninterrupted one would.
+chunk in flight and duplicates nothing. A completed job removes that folder: it leaves only the
+files above. Every batch has the same shape (the last is padded), so the predict function is
+compiled once; its random key depends only on the chunk and batch numbers, so a resumed run
+samples exactly what an uninterrupted one would.
 
 Settings (gin: `infer_script.infer.NAME`; T5X's macros in gin_configs/runs/infer.gin bind most):
 
@@ -99,6 +101,7 @@ from speculative_t5x import pipeline
 from speculative_t5x import policy
 from speculative_t5x import trees
 from speculative_t5x.errors import InferError
+from speculative_t5x.errors import must_be
 from speculative_t5x.data import PAD_ID
 # The vocabulary class gin files name `vocabularies.SentencePieceVocabulary`, also here for
 # code that built it from this module.
@@ -182,7 +185,7 @@ def _check_job(task_feature_lengths: Any, task: Optional[str], input_file: Optio
     raise InferError(f'shard_id {shard_id} is not in [0, num_shards={num_shards})')
   for name, value in (('batch_size', batch_size), ('checkpoint_period', checkpoint_period)):
     if not isinstance(value, int) or value < 1:
-      raise InferError(f'infer_script.infer.{name} must be a whole number >= 1, got {value!r}')
+      raise InferError(must_be(f'infer_script.infer.{name}', 'a whole number >= 1', value))
   return Job(name=task or Path(input_file).name, input_file=input_file, task=task,
              input_length=int(task_feature_lengths['inputs']),
              target_length=int(task_feature_lengths['targets']), batch_size=batch_size,
@@ -244,14 +247,13 @@ def _check_decoding(model: models.EncoderDecoderModel, decode_kwargs: Mapping[st
     except (TypeError, ValueError):  # a string where a number belongs (NaN fails the tests)
       ok = False
     if not ok:
-      raise InferError(f'decoding.{name}.{key} must be {expected}, got {value!r}')
+      raise InferError(must_be(f'decoding.{name}.{key}', expected, value))
   if not isinstance(num_decodes, int) or num_decodes < 1:
     what = 'the beam size' if 'beam' in name else 'samples per example'
-    raise InferError(f'infer_script.infer.num_decodes ({what}) must be a whole number >= 1, '
-                     f'got {num_decodes!r}')
+    raise InferError(must_be(f'infer_script.infer.num_decodes ({what})', 'a whole number >= 1',
+                             num_decodes))
   if not isinstance(max_gamma, int) or max_gamma < 1:
-    raise InferError(f'infer_script.infer.max_gamma must be a whole number >= 1, got '
-                     f'{max_gamma!r}')
+    raise InferError(must_be('infer_script.infer.max_gamma', 'a whole number >= 1', max_gamma))
 
 
 def _resolve_dtype(dtype: Optional[str]) -> Optional[jnp.dtype]:
@@ -607,16 +609,105 @@ def _bound_decode_kwargs(fn: Any, explicit: Mapping[str, Any]) -> Dict[str, Any]
 # ------------------------------------------------------------------------------------------------
 # Command line.
 
+# The run config most users start from, named by --help and by the error for a missing config.
+EXAMPLE_ARGS = ('--gin_file=gin_configs/runs/infer_multi30k.gin',
+                '--gin_file=gin_configs/decoding/speculative_greedy.gin',
+                '--gin.INFER_OUTPUT_DIR="\'/tmp/infer\'"')
+# The macros of gin_configs/runs/infer.gin, for --help (tests/test_bad_inputs.py checks that
+# these are exactly the file's).
+RUN_MACROS = {
+    'INFER_OUTPUT_DIR': 'required: the folder of the predictions, summary and configs, e.g. '
+                        '--gin.INFER_OUTPUT_DIR="\'/tmp/infer\'" (string values need quotes)',
+    'INPUT_FILE': '.txt (one input per line), .tsv (input<TAB>target; a first line exactly '
+                  'inputs<TAB>targets is a header) or .jsonl ({"inputs", "targets"}); '
+                  'infer_multi30k.gin: the bundled caption sample',
+    'MIXTURE_OR_TASK_NAME': 'a seqio task or mixture instead of INPUT_FILE (set INPUT_FILE=None; '
+                            'needs the data extra)',
+    'MIXTURE_OR_TASK_MODULE': 'the module that registers that task',
+    'TASK_FEATURE_LENGTHS': "{'inputs': encoder length, 'targets': longest output}, default "
+                            "{'inputs': 64, 'targets': 64}",
+    'TARGET_CHECKPOINT_PATH': 'required: the target weights, any format checkpoints reads '
+                              '(T5X, Orbax, export_weights file, training run, Hugging Face '
+                              'folder); infer_multi30k.gin: the embedded target',
+    'DRAFT_CHECKPOINT_PATH': 'the draft weights, for the draft-using decoders',
+    'TARGET_CONFIG': "the target's network.T5Config (a pair file sets it)",
+    'DRAFT_CONFIG': "the draft's network.T5Config (a pair file sets it)",
+    'VOCABULARY': 'the SentencePiece vocabulary of both models (a pair file sets it)',
+    'DRAFT_VOCABULARY': "the draft's vocabulary, checked to be the target's (default None)",
+    'MODEL': 'the models.EncoderDecoderModel built from the macros above',
+}
+# infer's parameters that gin_configs/runs/infer.gin binds to RUN_MACROS (or that are no user's).
+_SET_BY_MACROS = ('model', 'output_dir', 'target_checkpoint_path', 'draft_checkpoint_path',
+                  'task_feature_lengths', 'mixture_or_task_name', 'mixture_or_task_module',
+                  'input_file', 'chunk_hook')
+# Bindings of the decoders most runs change (each decoding file sets its own).
+DECODING_BINDINGS = {
+    'decoding.speculative_sample.gamma': "draft tokens per target call: a whole number >= 1, "
+                                         "or 'auto' (the job picks gamma 0 = the target alone "
+                                         'to infer_script.infer.max_gamma per batch)',
+    'decoding.speculative_sample.temperature': '0 = greedy (exact: the target\'s greedy '
+                                               'output); > 0 samples the target\'s distribution',
+    'decoding.speculative_beam_search.branching': "draft tree children per depth, or 'auto'",
+}
+
+
+def _help_text() -> str:
+  """--help: the flags, the packaged gin files, the macros and bindings a user sets."""
+  settings = ', '.join(f'{name}={p.default!r}' for name, p in
+                       inspect.signature(infer).parameters.items()
+                       if name not in _SET_BY_MACROS and p.default is not gin.REQUIRED)
+  entries = lambda table: '\n'.join(gin_utils.help_entry(k, v) for k, v in table.items())
+  return '\n'.join([
+      'usage: speculative-t5x-infer --gin_file=RUN.gin [--gin_file=DECODING.gin] '
+      '[--gin.NAME=VALUE ...] [flags]', '',
+      __doc__.split('\n\n')[0], '',
+      'e.g. the bundled German captions with the embedded pair, greedy speculative decoding:',
+      '  speculative-t5x-infer ' + ' \\\n      '.join(EXAMPLE_ARGS), '',
+      'flags:', gin_utils.flags_help(_FLAG_NAMES), '',
+      'gin files (relative paths: the working directory first, then the packaged ones):',
+      gin_utils.gin_files_help(['runs', 'pairs', 'decoding']),
+      gin_utils.help_entry('gin_configs/models/...', "T5X's T5 1.1 and mT5 sizes, each under "
+                           'its own scope (e.g. @t5_1_1_xl/network.T5Config())'), '',
+      'macros of gin_configs/runs/infer.gin (--gin.NAME=VALUE):', entries(RUN_MACROS), '',
+      'bindings of the decoders (the decoding files set them):', entries(DECODING_BINDINGS),
+      '', 'the job\'s other settings:',
+      gin_utils.help_entry('infer_script.infer.*', f'{settings} (the defaults; `python -m pydoc '
+                           'speculative_t5x.infer` describes each, under "Settings")'),
+  ])
+
+
+def _check_run_config(gin_files: Sequence[str]) -> None:
+  """InferError naming what is missing when no gin file binds infer's required settings (gin's
+  own error for them is a RuntimeError with a traceback)."""
+  unbound = []
+  for name, parameter in inspect.signature(infer).parameters.items():
+    if parameter.default is gin.REQUIRED:
+      try:
+        gin.query_parameter(f'infer_script.infer.{name}')
+      except ValueError:
+        unbound.append(name)
+  if unbound:
+    what = (f'infer_script.infer.{{{", ".join(unbound)}}} not bound (gin_configs/runs/infer.gin '
+            'binds them)' if gin_files else 'no gin file given')
+    raise InferError(f'{what}: a run needs a run config and an output folder, e.g. '
+                     f'{" ".join(EXAMPLE_ARGS)} (see --help)')
+
+
+# The job's own flags besides the gin flags: multi-host runs (jax.distributed).
+_PROCESS_FLAGS = {
+    'coordinator_address': 'host:port of process 0 for jax.distributed (multi-host), or '
+                           "'auto' where JAX discovers the cluster (Cloud TPU, SLURM).",
+    'process_count': 'Number of processes (jax.distributed).',
+    'process_index': 'This process (jax.distributed).',
+}
+_FLAG_NAMES = ('gin_file', 'gin_bindings', 'gin_search_paths', *_PROCESS_FLAGS)
+
 
 def _define_flags() -> None:
   gin_utils.define_gin_flags()
-  for name, default, help_text in (
-      ('coordinator_address', None, 'host:port of process 0 for jax.distributed (multi-host), '
-       "or 'auto' where JAX discovers the cluster (Cloud TPU, SLURM)."),
-      ('process_count', None, 'Number of processes (jax.distributed).'),
-      ('process_index', None, 'This process (jax.distributed).')):
+  for name, help_text in _PROCESS_FLAGS.items():
     if name not in flags.FLAGS:
-      flags.DEFINE_string(name, default, help_text)
+      flags.DEFINE_string(name, None, help_text)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -636,6 +727,7 @@ def main(argv: Sequence[str]) -> None:
       gin_utils.parse_gin_flags(flags_.gin_file, flags_.gin_bindings, flags_.gin_search_paths)
     except (ValueError, KeyError, IOError, SyntaxError) as e:
       raise InferError(f'gin config: {gin_utils.error_line(e)}') from None
+    _check_run_config(flags_.gin_file)
     try:
       summary = infer()
     except (InferError, speculative_t5x.MissingExtraError):
@@ -656,10 +748,10 @@ def main(argv: Sequence[str]) -> None:
     print(json.dumps({k: summary.get(k) for k in keys}), flush=True)
 
 
-def run() -> None:
-  """The `speculative-t5x-infer` command."""
+def run(argv: Optional[Sequence[str]] = None) -> None:
+  """The `speculative-t5x-infer` command (argv: sys.argv's form, the program first)."""
   _define_flags()
-  gin_utils.run(main)
+  gin_utils.run(main, argv, help_text=_help_text)
 
 
 if __name__ == '__main__':

@@ -2,6 +2,19 @@
 
 Every input keeps its position in the source (`Example.index`), so outputs can be matched to
 inputs whatever was skipped; `InputReport` records what reading skipped or cut.
+
+File formats (`input_format` 'auto' picks one by the file's extension):
+
+  text   (.txt, any other)  one input per line.
+  tsv    (.tsv)             input<TAB>target on every line (the target may be empty, the tab
+                            may not: a line without one is an error naming it). A first line
+                            exactly `inputs<TAB>targets` is a header and is skipped; any other
+                            first line is an example.
+  jsonl  (.jsonl, .json)    one {"inputs": str, "targets": str (optional), "temperature":
+                            number >= 0 (optional)} object per line.
+
+In every format an empty (or all-whitespace) line is skipped and counted; a line that is not
+UTF-8 is an error naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import gin
 import speculative_t5x
 from speculative_t5x import gin_utils
 from speculative_t5x.errors import InferError
+from speculative_t5x.errors import must_be
 
 
 @dataclasses.dataclass
@@ -39,21 +53,25 @@ class InputReport:
   longest_input: int = 0
 
 
+# The one header row a TSV file may start with (T5X's feature names).
+TSV_HEADER = 'inputs\ttargets'
+
+
 def _input_format(path: Path, input_format: str) -> str:
   if input_format != 'auto':
     if input_format not in ('text', 'tsv', 'jsonl'):
-      raise InferError(f"input_format must be 'auto', 'text', 'tsv' or 'jsonl', got "
-                       f'{input_format!r}')
+      raise InferError(must_be('input_format', "'auto', 'text', 'tsv' or 'jsonl'", input_format))
     return input_format
   return {'.tsv': 'tsv', '.jsonl': 'jsonl', '.json': 'jsonl'}.get(path.suffix.lower(), 'text')
 
 
 def read_input_file(path: os.PathLike, input_format: str = 'auto',
                     report: Optional[InputReport] = None) -> List[Example]:
-  """Examples of a text, TSV or JSONL file, in order; empty inputs are skipped and recorded.
+  """Examples of a text, TSV or JSONL file, in order (the formats: the module doc); empty
+  inputs are skipped and recorded, a TSV header row skipped.
 
-  Raises InferError naming the line for undecodable bytes (not UTF-8), malformed JSON or a
-  JSON line without a string "inputs".
+  Raises InferError naming the line for undecodable bytes (not UTF-8), a TSV line without one
+  tab, malformed JSON or a JSON line without a string "inputs".
   """
   path = gin_utils.resolve_path(path)
   report = InputReport() if report is None else report
@@ -77,12 +95,9 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
                        f'{line[e.start:e.start + 4]!r}') from None
     targets, temperature = None, None
     if fmt == 'tsv':
-      fields = text.split('\t')
-      if len(fields) > 2:  # dropping the rest would lose data silently
-        raise InferError(f'{where}: {len(fields)} tab-separated fields; a TSV line is '
-                         'input<TAB>target (read inputs with tabs as text: input_format '
-                         "'text')")
-      text, targets = fields[0], (fields[1] if len(fields) > 1 else None)
+      if i == 0 and text == TSV_HEADER:
+        continue
+      text, targets = _tsv_fields(text, where)
     elif fmt == 'jsonl':
       if not text.strip():
         report.skipped_empty.append(i)
@@ -106,13 +121,24 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
   return examples
 
 
+def _tsv_fields(text: str, where: str) -> Tuple[str, Optional[str]]:
+  """(input, target) of a TSV line; an empty line (skipped by the caller) has no target."""
+  fields = text.split('\t')
+  # Dropping the rest of a line, or reading a line without its target, would change what is
+  # decoded or scored silently.
+  if len(fields) > 2 or (len(fields) == 1 and text.strip()):
+    found = 'no tab' if len(fields) == 1 else f'{len(fields)} tab-separated fields'
+    raise InferError(f'{where}: {found}; a TSV line is input<TAB>target (inputs alone, or '
+                     "inputs with tabs: a .txt file or input_format 'text')")
+  return fields[0], (fields[1] if len(fields) > 1 else None)
+
+
 def _temperature(value: Any, where: str) -> Optional[float]:
   """A JSONL record's "temperature": absent, or a number >= 0 (0 = greedy)."""
   if value is None:
     return None
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-    raise InferError(f'{where}: "temperature" must be a number >= 0 (0 = greedy), got '
-                     f'{value!r}')
+    raise InferError(f'{where}: ' + must_be('"temperature"', 'a number >= 0 (0 = greedy)', value))
   return float(value)
 
 

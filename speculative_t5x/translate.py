@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
+from speculative_t5x import errors
 from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import pipeline
@@ -49,6 +50,9 @@ def _read_sentences(args: argparse.Namespace) -> List[str]:
   if args.sentences:
     lines = list(args.sentences)
   elif args.file:
+    if Path(args.file).is_dir():
+      raise SystemExit(f'error: --file {args.file} is a directory: give a file with one German '
+                       'sentence per line')
     try:
       lines = Path(args.file).read_text(encoding='utf-8').splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -94,22 +98,38 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help="draft tokens per target call, or 'auto' (default): chosen per "
                            'batch from measured batch times, gamma 0 (the target alone) '
                            f'included; the first batch runs gamma {policy.FALLBACK_GAMMA}')
-  parser.add_argument('--batch_size', type=int, default=8,
-                      help='at most this many sentences per batch (fewer sentences: one batch '
-                           'of exactly that many, so no padding rows are decoded)')
+  parser.add_argument('--batch_size', default=8,
+                      help='at most this many sentences per batch (default 8; fewer sentences: '
+                           'one batch of exactly that many, so no padding rows are decoded)')
   parser.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET),
                       help='target weights (checkpoints.export_weights file); default: embedded')
   parser.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT),
                       help='draft weights; default: embedded')
   args = parser.parse_args(argv)
+  if args.sentences and args.file:
+    raise SystemExit('error: give sentences as arguments or --file FILE, not both')
   if args.gamma != policy.AUTO:
-    try:
-      args.gamma = int(args.gamma)
-    except ValueError:
-      args.gamma = 0
-  if args.gamma != policy.AUTO and args.gamma < 1 or args.batch_size < 1:
-    raise SystemExit("error: --gamma must be 'auto' or at least 1, and --batch_size at least 1.")
+    args.gamma = _whole_number('--gamma', args.gamma, "'auto' or a whole number >= 1 (draft "
+                               'tokens per target call)')
+  args.batch_size = _whole_number('--batch_size', args.batch_size, 'a whole number >= 1')
   return args
+
+
+def _whole_number(flag: str, value: Any, allowed: str) -> int:
+  """`value` as an int >= 1; else exits with one line naming the flag and what it allows."""
+  try:
+    number = int(value)
+  except ValueError:
+    number = 0
+  if number < 1:
+    raise SystemExit('error: ' + errors.must_be(flag, allowed, value))
+  return number
+
+
+def _status(message: str) -> None:
+  """What the command is doing, on stderr (stdout keeps the translations): its compiling and
+  timing take tens of seconds with nothing else to show."""
+  print(message, file=sys.stderr, flush=True)
 
 
 def _timed(pipe: pipeline.Pipeline, sentences: Sequence[str], gamma: Union[int, str]
@@ -121,9 +141,16 @@ def _timed(pipe: pipeline.Pipeline, sentences: Sequence[str], gamma: Union[int, 
   """
   passes = {'speculative': lambda: pipe.decode(sentences, 'speculative', gamma=gamma),
             'target-only': lambda: pipe.decode(sentences, 'target')}
+  rounds = TIMING_ROUNDS if len(sentences) <= 64 else 1
+  gammas = (f"gammas 0-{policy.MAX_GAMMA}, for gamma 'auto'" if gamma == policy.AUTO else
+            f'gamma {gamma}')
+  _status(f'compiling greedy speculative ({gammas}) and target-only decoding for '
+          f'{len(sentences)} sentence{"s" * (len(sentences) > 1)} ...')
   # Every gamma the policy may choose, compiled ahead: none compiles inside a timed pass.
   pipe.compile(sentences, 'speculative', gamma=gamma)
   pipe.compile(sentences, 'target')
+  _status(f'decoding, then timing speculative vs target-only: '
+          f'{"one run each" if rounds == 1 else f"{rounds} alternating runs of each"} ...')
   results = {name: one_pass() for name, one_pass in passes.items()}
 
   def remember(name):
@@ -132,7 +159,6 @@ def _timed(pipe: pipeline.Pipeline, sentences: Sequence[str], gamma: Union[int, 
       return results[name].tokens
     return one_pass
 
-  rounds = TIMING_ROUNDS if len(sentences) <= 64 else 1
   times = policy.round_robin({name: remember(name) for name in passes}, rounds)
   return results, {name: float(np.median(t)) for name, t in times.items()}, rounds
 
@@ -158,26 +184,45 @@ def _print_translations(pipe: pipeline.Pipeline, sentences: Sequence[str],
           f'token below {OUT_OF_DOMAIN_LOG_PROB} (as for 36 of the 1000 Multi30k test captions).')
 
 
+def _schedule_text(gamma: Union[int, str], result: pipeline.Decoded) -> str:
+  """The gamma of the reported (last) pass: as given, or under 'auto' the batches each gamma
+  ran and what the policy measured."""
+  if gamma != policy.AUTO:
+    return str(gamma)
+  (rows, used), = result.schedule.items()
+  measured = result.policy['measured']
+  return (f'auto at batch size {rows}: ' + ', '.join(f'{g} x{n}' for g, n in sorted(used.items())) +
+          (' (the fallback; too few batches to measure others)' if result.policy['fallback_only']
+           else '; ms per output position ' +
+           ', '.join(f'{g}: {m["ms_per_position"]:.2f}' for g, m in measured.items())))
+
+
+def _acceptance_text(result: pipeline.Decoded) -> str:
+  """alpha and tokens per target call; or, when 'auto' ran the target alone on every batch (no
+  draft token proposed), that speculation was off and why: alpha=0.000 would read as a broken
+  draft."""
+  stats = result.stats
+  proposed = int(stats['proposed'].sum()) if 'proposed' in stats else 0
+  if not proposed:
+    with_draft = {g: m['ms_per_position'] for g, m in result.policy.get('measured', {}).items()
+                  if g != '0'}
+    if not with_draft:
+      return 'speculation off: gamma 0 (the target alone) ran every batch'
+    best = min(with_draft, key=with_draft.get)
+    return (f'speculation off: gamma 0 (the target alone) measured faster than gamma {best} '
+            'on these batches')
+  alpha = stats['accepted'].sum() / proposed
+  per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
+  return f'alpha={alpha:.3f}, {per_call:.2f} tokens per target call'
+
+
 def _print_statistics(n: int, gamma: Union[int, str], results: Mapping[str, pipeline.Decoded],
                       seconds: Mapping[str, float], rounds: int) -> None:
   result, base = results['speculative'], results['target-only']
-  stats = result.stats
-  alpha = stats['accepted'].sum() / max(stats['proposed'].sum(), 1)
-  per_call = stats['emitted'].sum() / max(stats['target_calls'].sum(), 1)
   timing = f'median of {rounds} alternating runs' if rounds > 1 else 'one run each'
-  chosen = str(gamma)
-  if gamma == policy.AUTO:  # the schedule of the reported (last) pass, and what was measured
-    (rows, used), = result.schedule.items()
-    measured = result.policy['measured']
-    chosen = (f'auto at batch size {rows}: ' +
-              ', '.join(f'{g} x{n}' for g, n in sorted(used.items())) +
-              (' (the fallback; too few batches to measure others)'
-               if result.policy['fallback_only'] else
-               '; ms per output position ' +
-               ', '.join(f'{g}: {m["ms_per_position"]:.2f}' for g, m in measured.items())))
   spec, target_only = seconds['speculative'], seconds['target-only']
-  print(f'\n{n} sentence{"s" * (n > 1)}, gamma={chosen}: '
-        f'alpha={alpha:.3f}, {per_call:.2f} tokens per target call, speculative '
+  print(f'\n{n} sentence{"s" * (n > 1)}, gamma={_schedule_text(gamma, result)}: '
+        f'{_acceptance_text(result)}, speculative '
         f'{1e3 * spec:.0f} ms vs target-only {1e3 * target_only:.0f} ms ({timing}; '
         f'{target_only / spec:.2f}x); outputs identical to '
         f'target-only greedy: {bool((result.tokens == base.tokens).all())}')

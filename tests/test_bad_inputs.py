@@ -1,4 +1,5 @@
-"""Bad input to the infer job and the translate command: one line `error: <cause>`, exit 1.
+"""Bad input to the infer job, the translate command and the benchmarks (a missing optional
+dependency): one line `error: <cause>`, exit 1.
 
 Each case runs the command's own main() in-process (its flags, its gin parsing, its error
 handling), so the whole table costs seconds; tests/test_infer.py keeps the subprocess cases
@@ -6,14 +7,19 @@ that prove the same of a real process (no traceback on stderr, exit status 1).
 """
 
 import math
+import re
 import shutil
+import sys
 
 from absl import flags
 import gin
 import pytest
 
+import speculative_t5x
+from speculative_t5x import data
 from speculative_t5x import gin_utils
 from speculative_t5x import infer
+from speculative_t5x import inputs
 from speculative_t5x import translate
 from speculative_t5x.errors import InferError
 import infer_hooks
@@ -60,6 +66,7 @@ def bad_files(setup, tmp_path_factory):  # noqa: F811
   (root / 'blank.txt').write_text('\n   \n\t\n', encoding='utf-8')
   (root / 'binary.txt').write_bytes(b'Ein Hund\n\xff\xfe\x00\x01 rennt\n')
   (root / 'fields.tsv').write_text('Ein Hund.\tA dog.\textra\n', encoding='utf-8')
+  (root / 'notab.tsv').write_text('Ein Hund.\tA dog.\nEine Katze.\n', encoding='utf-8')
   # A draft whose vocabulary file beside it is not a list of token ids.
   shutil.copytree(setup / 'draft', root / 'draft')
   (root / 'draft.vocabulary.json').write_text('{"token_ids": "all"}', encoding='utf-8')
@@ -73,6 +80,10 @@ INFER_CASES = {
     'binary input': ('binary.txt', [], [], 'undecodable bytes'),
     'missing input': ('missing.txt', [], [], 'input file not found'),
     'extra TSV fields': ('fields.tsv', [], [], '3 tab-separated fields'),
+    'TSV line without a tab': ('notab.tsv', [], [], 'notab.tsv:2: no tab; a TSV line is '
+                               'input<TAB>target'),
+    'gin value that never ends': (None, ['--gin.infer_script.infer.batch_size=[1'], [],
+                                  "binding 'infer_script.infer.batch_size = [1'"),
     'unknown gin binding': (None, ['--gin.infer_script.infer.bogus=1'], [], 'bogus'),
     'gamma below 1': (None, ['--gin.decoding.speculative_sample.gamma=0'], [], 'gamma must be'),
     'negative temperature': (None, ['--gin.decoding.speculative_sample.temperature=-1.0'], [],
@@ -115,6 +126,61 @@ def test_infer_bad_input_is_one_error_line(case, setup, bad_files, tmp_path, cap
                                        gin_files=gin_files), capsys)
   _assert_one_error_line(status, err, expected)
   assert not list(tmp_path.rglob('*.COMPLETED'))
+
+
+# Command lines without the test's run config: (arguments, what the error line must say).
+INFER_CONFIG_CASES = {
+    'no flags': ([], ['no gin file given', '--gin_file=gin_configs/runs/infer_multi30k.gin',
+                      '--gin.INFER_OUTPUT_DIR="\'/tmp/infer\'"', 'see --help']),
+    'no run config': (['--gin_file=gin_configs/decoding/speculative_greedy.gin'],
+                      ['infer_script.infer.{model, output_dir, target_checkpoint_path, '
+                       'task_feature_lengths} not bound (gin_configs/runs/infer.gin binds them)',
+                       '--gin_file=gin_configs/runs/infer_multi30k.gin']),
+    'no output folder': (['--gin_file=gin_configs/runs/infer_multi30k.gin'],
+                         ['INFER_OUTPUT_DIR is required and not set: add '
+                          '--gin.INFER_OUTPUT_DIR=VALUE']),
+    'unquoted string binding': (['--gin_file=gin_configs/runs/infer_multi30k.gin',
+                                 '--gin.INFER_OUTPUT_DIR=/tmp/x'],
+                                ["binding 'INFER_OUTPUT_DIR = /tmp/x'", 'a string value needs '
+                                 'quotes: --gin.INFER_OUTPUT_DIR="\'/tmp/x\'"']),
+}
+
+
+@pytest.mark.parametrize('case', list(INFER_CONFIG_CASES))
+def test_infer_missing_or_malformed_config_is_one_error_line(case, capsys):
+  args, expected = INFER_CONFIG_CASES[case]
+  status, err = _run_infer(args, capsys)
+  for fragment in expected:
+    _assert_one_error_line(status, err, fragment)
+
+
+def test_infer_help_lists_flags_gin_files_macros_and_settings(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    infer.run(['speculative-t5x-infer', '--help'])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  for name in ('--gin_file', '--gin_bindings', '--gin_search_paths', '--coordinator_address',
+               '--process_count', '--process_index', *infer.RUN_MACROS, *infer.DECODING_BINDINGS,
+               'gin_configs/runs/infer_multi30k.gin', 'gin_configs/pairs/multi30k.gin',
+               'gin_configs/decoding/speculative_greedy.gin', 'gin_configs/decoding/bild.gin',
+               'batch_size=32', 'max_gamma=4', *infer.EXAMPLE_ARGS):
+    assert name in out, name
+
+
+def test_help_macros_are_those_of_the_run_config():
+  """--help's table of macros follows gin_configs/runs/infer.gin."""
+  text = (gin_utils.GIN_CONFIGS_DIR / 'runs' / 'infer.gin').read_text(encoding='utf-8')
+  assert set(re.findall(r'^([A-Z_]+) =', text, re.MULTILINE)) == set(infer.RUN_MACROS)
+
+
+def test_tsv_header_row_is_skipped_and_only_the_first_line_is_a_header(tmp_path):
+  source = tmp_path / 'with_header.tsv'
+  source.write_text('inputs\ttargets\nEin Hund.\tA dog.\ninputs\ttargets\n', encoding='utf-8')
+  examples = inputs.read_input_file(source)
+  assert [(e.index, e.inputs, e.targets) for e in examples] == [
+      (1, 'Ein Hund.', 'A dog.'), (2, 'inputs', 'targets')]
+  source.write_text('inputs\ttarget\n', encoding='utf-8')  # not exactly the header: an example
+  assert [(e.index, e.inputs) for e in inputs.read_input_file(source)] == [(0, 'inputs')]
 
 
 def test_batch_size_must_divide_over_the_mesh_and_the_processes():
@@ -172,9 +238,20 @@ def test_truncated_checkpoint_fails_a_resume_without_damaging_its_chunks(
 
 
 TRANSLATE_CASES = {
-    'gamma 0': (['--gamma', '0', 'Ein Hund.'], '--gamma must be'),
-    'gamma not a number': (['--gamma', 'x', 'Ein Hund.'], '--gamma must be'),
-    'batch size 0': (['--batch_size', '0', 'Ein Hund.'], '--batch_size at least 1'),
+    'gamma 0': (['--gamma', '0', 'Ein Hund.'], "--gamma must be 'auto' or a whole number >= 1"),
+    'negative gamma': (['--gamma', '-3', 'Ein Hund.'],
+                       "--gamma must be 'auto' or a whole number >= 1 (draft tokens per target "
+                       "call), got '-3'"),
+    'gamma not a number': (['--gamma', 'abc', 'Ein Hund.'], "--gamma must be 'auto' or a whole "
+                           "number >= 1 (draft tokens per target call), got 'abc'"),
+    'batch size 0': (['--batch_size', '0', 'Ein Hund.'],
+                     "--batch_size must be a whole number >= 1, got '0'"),
+    'batch size not a number': (['--batch_size', 'abc', 'Ein Hund.'],
+                                "--batch_size must be a whole number >= 1, got 'abc'"),
+    'file and sentences': (['--file', '{root}/blank.txt', 'Ein Hund.'],
+                           'give sentences as arguments or --file FILE, not both'),
+    'file is a directory': (['--file', '{root}'], 'is a directory: give a file with one German '
+                            'sentence per line'),
     'missing file': (['--file', '{root}/missing.de'], 'cannot read --file'),
     'binary file': (['--file', '{root}/binary.txt'], 'cannot read --file'),
     'empty file': (['--file', '{root}/empty.txt'], 'has no sentences'),
@@ -195,3 +272,27 @@ def test_translate_bad_input_is_one_error_line(case, bad_files, tmp_path):
   message = exit_info.value.code  # Python prints a string code on stderr and exits with 1
   assert isinstance(message, str) and message.startswith('error: '), message
   assert expected in message and '\n' not in message, message
+
+
+# ------------------------------------------------------------------------------------------------
+# Optional dependencies.
+
+
+def test_bleu_without_sacrebleu_names_the_bench_extra(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'sacrebleu', None)  # as if not installed: import raises
+  with pytest.raises(speculative_t5x.MissingExtraError,
+                     match=r"^BLEU scores need: pip install 'speculative_t5x\[bench\]'"):
+    data.corpus_bleu(['a'], ['a'])
+
+
+def test_benchmark_checks_its_extras_before_anything_else(monkeypatch):
+  """benchmarks.speed scores BLEU: without sacrebleu it stops as it parses its flags, before
+  loading or compiling anything (nothing is loaded: the pair loader would fail the test)."""
+  from benchmarks import harness  # pylint: disable=g-import-not-at-top
+  from benchmarks import speed  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, 'sacrebleu', None)
+  monkeypatch.setattr(harness, 'load_pair', lambda *a, **k: pytest.fail('loaded the pair'))
+  with pytest.raises(SystemExit) as exit_info:
+    speed.main(['--sentences', '1:2'])
+  assert exit_info.value.code == ("error: sacrebleu not installed (BLEU scores): pip install -e "
+                                  "'.[bench]' (or pip install 'speculative_t5x[bench]')")

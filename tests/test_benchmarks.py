@@ -19,6 +19,7 @@ from benchmarks import engine
 from benchmarks import profile
 from benchmarks import speed
 from benchmarks import verifiers
+from benchmarks import vs_ctranslate2
 from benchmarks import vs_t5x
 import conftest
 
@@ -174,3 +175,36 @@ def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert [(r['split'], r['gamma']) for r in rows] == [
       ('test', 1), ('test', 2), ('validation', 2), ('test, 2 longest inputs', 2)]
   assert all(0.0 < r['alpha'] <= 1.0 for r in rows)
+
+
+def test_vs_ctranslate2(tmp_path: pathlib.Path, data_args: List[str],
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+  with monkeypatch.context() as patch:  # a missing dependency: one line, before any work
+    patch.setattr(vs_ctranslate2, 'NEEDS', (('ctranslate2', 'CTranslate2'),
+                                            ('no_such_module', 'a converter')))
+    with pytest.raises(SystemExit) as exit_info:
+      vs_ctranslate2.main(data_args + ['--out_dir', str(tmp_path)])
+    assert str(exit_info.value) == ("error: no_such_module not installed (a converter): "
+                                    "pip install -e '.[bench]' (or pip install "
+                                    "'speculative_t5x[bench]')")
+    assert not list(tmp_path.iterdir())
+  # gamma 1 at batch 1 on 2 sentences: test_speed's programs, from the compilation cache.
+  vs_ctranslate2.main(data_args + ['--out_dir', str(tmp_path), '--sentences', '1:2,2:4',
+                                   '--gammas', '1', '--rounds', '1'])
+  results = written(tmp_path, 'vs_ctranslate2', "This project's decoders against CTranslate2")
+  assert {'ctranslate2', 'crossover_rows', 'memory_bandwidth_gbs'} <= set(results['meta'])
+  theirs = [f'CTranslate2 {search} {compute}' for search in ('greedy', 'beam=4')
+            for compute in ('float32', 'int8')]
+  for batch_size in ('1', '2'):
+    block = results['batches'][batch_size]
+    rows = {r['name']: r for r in block['rows']}
+    assert set(rows) == {'target-only T=0', 'speculative gamma=1 T=0', 'beam_search beam=4',
+                         *theirs}
+    assert set(block['identity']) == set(theirs)
+    # The same float32 weights, input ids and greedy search: the same output ids.
+    assert block['identity']['CTranslate2 greedy float32'] == 1.0
+    assert rows['speculative gamma=1 T=0']['same_ids'] == 1.0
+    assert all(r['ms_per_sentence'] > 0 and r['regime'] in ('bandwidth-bound', 'arithmetic-bound')
+               for r in rows.values())
+    assert rows['beam_search beam=4']['rows_per_call'] == 4 * int(batch_size)
+  assert '| CTranslate2 greedy int8 |' in (tmp_path / 'vs_ctranslate2.md').read_text()

@@ -165,8 +165,11 @@ def test_run_outputs_summary_skips_and_truncation(setup, tmp_path):
     assert summary[key] > 0, key
   assert summary['config']['decode_fn'] == 'speculative_sample'
   assert summary['config']['target']['num_decoder_layers'] == 2
-  assert (tmp_path / 'out' / 'config.gin').exists()
-  assert (tmp_path / 'out' / 'operative_config.gin').exists()
+  # A finished job leaves its documented files only (docs/infer.md): no chunk folder.
+  output = 'in.tsv-predict_with_aux.jsonl-00000-of-00001'
+  assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == sorted([
+      output, f'{output}.summary.json', f'{output}.COMPLETED', 'config.gin',
+      'operative_config.gin'])
   # The speculative output is the target's greedy output: check against plain decoding.
   baseline = _infer(setup, tmp_path / 'base', source,
                     model=_model(decode_fn=decoding.temperature_sample,
@@ -361,9 +364,9 @@ def test_two_processes_merge_to_the_single_process_output(setup, tmp_path):
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
-  # Each process wrote its own rows of every chunk; process 0 merged them.
-  tmp_dir = multi / 'tmp-in.txt-00000-of-00001'
-  assert len(list(tmp_dir.glob('chunk*-process00001.jsonl'))) == 6
+  # Each process wrote its own rows of every chunk (process 0's merge refuses chunks that do
+  # not cover the input exactly); once merged, the chunk folder is gone.
+  assert not (multi / 'tmp-in.txt-00000-of-00001').exists()
   single = _cli(setup, tmp_path / 'single', env=env)
   assert single.returncode == 0, single.stderr[-3000:]
   got, want = _outputs(multi), _outputs(tmp_path / 'single')
@@ -382,21 +385,32 @@ def test_two_processes_merge_to_the_single_process_output(setup, tmp_path):
 # Bad input: one line on stderr, exit status 1, no traceback.
 
 
-def _assert_one_line_error(proc, *fragments):
+def _assert_one_line_error(proc, *fragments, alone=False):
+  """alone: nothing else on stderr (no log line of JAX's backend probing before the error)."""
   assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
   errors = [l for l in proc.stderr.splitlines() if l.startswith('error: ')]
   assert len(errors) == 1, proc.stderr[-3000:]
   assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  if alone:
+    assert proc.stderr.strip() == errors[0], proc.stderr[-3000:]
   for fragment in fragments:
     assert fragment in errors[0], errors[0]
   return errors[0]
 
 
 def test_cli_undecodable_bytes(setup, tmp_path):
+  """Also: the error (met after JAX started its backend) is all there is on stderr."""
   bad = tmp_path / 'bad.txt'
   bad.write_bytes(b'Ein Hund.\nEin \xff\xfe Mann.\n')
   _assert_one_line_error(_cli(setup, tmp_path / 'out', input_file=bad),
-                         'bad.txt:2', 'not UTF-8', 'byte 4')
+                         'bad.txt:2', 'not UTF-8', 'byte 4', alone=True)
+
+
+def test_cli_without_flags_names_the_run_config():
+  proc = subprocess.run([sys.executable, '-m', 'speculative_t5x.infer'], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  _assert_one_line_error(proc, 'no gin file given',
+                         '--gin_file=gin_configs/runs/infer_multi30k.gin', alone=True)
 
 
 def test_cli_unknown_and_missing_gin_bindings(setup, tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 from speculative_t5x import checkpoints
 from speculative_t5x import models
 from speculative_t5x import network
+from speculative_t5x import pipeline
 from speculative_t5x import translate
 from fast_params import random_params
 
@@ -65,8 +66,42 @@ def test_main_translates_batches_of_different_widths(tmp_path, capsys):
   weights = ['--target', str(tmp_path / 'target.msgpack'),
              '--draft', str(tmp_path / 'draft.msgpack')]
   translate.main(['--batch_size', '2', '--gamma', '1', *weights, *sentences])
-  out = capsys.readouterr().out.splitlines()
+  captured = capsys.readouterr()
+  # What it does while it shows nothing else: on stderr, before the translations.
+  assert captured.err.splitlines() == [
+      'compiling greedy speculative (gamma 1) and target-only decoding for 3 sentences ...',
+      'decoding, then timing speculative vs target-only: 5 alternating runs of each ...']
+  out = captured.out.splitlines()
   assert [line for line in out if not line.startswith('  -> ')][:3] == sentences
   assert len([line for line in out if line.startswith('  -> ')]) == 3
   assert out[-1].startswith('3 sentences, gamma=1: alpha='), out[-1]
   assert out[-1].endswith('outputs identical to target-only greedy: True')
+
+
+def _decoded(stats, schedule, measured):
+  tokens = np.ones((2, 3), np.int32)
+  return pipeline.Decoded(texts=['a', 'b'], tokens=tokens, scores=np.zeros(2), stats=stats,
+                          schedule=schedule, policy={'measured': measured,
+                                                     'fallback_only': False})
+
+
+def test_summary_says_when_auto_turned_speculation_off(capsys):
+  """gamma='auto' ran the target alone on every batch: the summary says so and why, not
+  alpha=0.000 (which reads as a draft that never agrees)."""
+  measured = {'0': {'batches': 3, 'ms_per_position': 1.1},
+              '2': {'batches': 1, 'ms_per_position': 1.6},
+              '1': {'batches': 1, 'ms_per_position': 1.4}}
+  off = _decoded({}, {2: {0: 1}}, measured)
+  translate._print_statistics(2, 'auto', {'speculative': off, 'target-only': off},
+                              {'speculative': 0.05, 'target-only': 0.05}, 5)
+  line = capsys.readouterr().out.strip()
+  assert ('gamma=auto at batch size 2: 0 x1; ms per output position 0: 1.10, 2: 1.60, 1: 1.40: '
+          'speculation off: gamma 0 (the target alone) measured faster than gamma 1 on these '
+          'batches, speculative 50 ms') in line, line
+  assert 'alpha' not in line
+  on = _decoded({'proposed': np.array([4, 4]), 'accepted': np.array([2, 1]),
+                 'emitted': np.array([5, 4]), 'target_calls': np.array([2, 2])},
+                {2: {2: 1}}, measured)
+  translate._print_statistics(2, 'auto', {'speculative': on, 'target-only': on},
+                              {'speculative': 0.04, 'target-only': 0.05}, 5)
+  assert 'alpha=0.375, 2.25 tokens per target call' in capsys.readouterr().out

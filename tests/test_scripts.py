@@ -1,0 +1,79 @@
+"""The recipes in scripts/: each runs as its header says (their smallest settings, or the
+commands they would run, checked against the programs that take them).
+
+scripts/train_pair.sh is checked in tests/test_gin_configs.py (its stages' gin files) and
+scripts/accelerator_check.sh in tests/test_scale.py (it runs there on tiny configs)."""
+
+import importlib
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / 'scripts'
+
+
+def _script(name: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+  return subprocess.run(['bash', str(SCRIPTS / name), *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120,
+                        env={**os.environ, 'PYTHON': sys.executable, **env})
+
+
+def _commands(proc: subprocess.CompletedProcess) -> List[List[str]]:
+  assert proc.returncode == 0, proc.stderr
+  return [shlex.split(line) for line in proc.stdout.splitlines()]
+
+
+def test_reproduce_results_runs_each_benchmark_with_flags_it_takes(tmp_path):
+  commands = _commands(_script('reproduce_results.sh', str(tmp_path), DRY_RUN='1'))
+  names = [c[c.index('-m') + 1] for c in commands]
+  assert names == ['benchmarks.speed', 'benchmarks.verifiers', 'benchmarks.vs_ctranslate2']
+  for name, command in zip(names, commands):
+    argv = command[command.index('-m') + 2:]
+    assert argv[-2:] == ['--out_dir', str(tmp_path)]
+    module = importlib.import_module(name)
+    module.parse_args(argv)  # a flag the benchmark does not take exits here
+
+
+def test_reproduce_results_only_names_known_benchmarks():
+  proc = _script('reproduce_results.sh', DRY_RUN='1', ONLY='speed bogus')
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      "error: ONLY names 'bogus'; known: speed verifiers vs_ctranslate2"]
+
+
+def test_t5x_recipe_writes_the_pair_then_runs_t5x_infer_with_shipped_gin_files(tmp_path):
+  write, infer = _commands(_script('t5x_infer.sh', str(tmp_path), DRY_RUN='1'))
+  assert write[1:] == ['-m', 'speculative_t5x.t5x_adapter', f'--output_dir={tmp_path}/pair']
+  assert infer[1:3] == ['-m', 't5x.infer']
+  bindings: Dict[str, str] = dict(a[len('--gin.'):].split('=', 1) for a in infer
+                                  if a.startswith('--gin.'))
+  assert bindings['CHECKPOINT_PATH'] == f"'{tmp_path}/pair/checkpoint_0'"
+  # T5X's gin finds these through the Python path; they ship as gin_configs/t5x/.
+  ours = [a.split('=', 1)[1] for a in infer if a.startswith('--gin_file=speculative_t5x/')]
+  assert len(ours) == 3
+  for path in ours:
+    assert (ROOT / 'gin_configs' / path[len('speculative_t5x/gin_configs/'):]).is_file(), path
+
+
+def test_t5x_recipe_without_t5x_is_one_line(tmp_path):
+  try:
+    importlib.import_module('t5x.infer')
+    pytest.skip('T5X is installed here')
+  except ImportError:
+    pass
+  proc = _script('t5x_infer.sh', str(tmp_path))
+  assert proc.returncode == 1 and not (tmp_path / 'pair').exists()
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+  assert proc.stderr.startswith('error: T5X is not installed')
+
+
+def test_t5x_recipe_names_an_unknown_decoding_file():
+  proc = _script('t5x_infer.sh', DECODING='greedy.gin', DRY_RUN='1')
+  assert proc.returncode == 1
+  assert proc.stderr.startswith('error: DECODING=greedy.gin is not one of gin_configs/t5x/')
