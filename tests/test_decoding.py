@@ -307,7 +307,6 @@ def _accept_if_p_above_q():
 
 SAMPLING_SETTINGS = {
     'temperature_1': dict(temperature=1.0, topk=0, topp=0.0),
-    'temperature_0.7': dict(temperature=0.7, topk=0, topp=0.0),
     'top_k_3': dict(temperature=1.0, topk=3, topp=0.0),
     'top_p_0.8': dict(temperature=1.0, topk=0, topp=0.8),
     'adaptive_and_confidence_stop': dict(temperature=1.0, topk=0, topp=0.0, adaptive_gamma=True,
@@ -315,6 +314,9 @@ SAMPLING_SETTINGS = {
     # A [batch] operand, row r at temperature[r % 4], applied to target and draft alike.
     'per_row_temperature': dict(temperature=(0.7, 1.0, 1.5, 0.0), topk=0, topp=0.0),
 }
+# The settings whose broken controls are run too (two more compiles each): enough to show that
+# the chi-square test has teeth at a scalar and at per-row temperatures.
+CONTROLLED = ('temperature_1', 'per_row_temperature')
 
 
 @pytest.mark.parametrize('setting', list(SAMPLING_SETTINGS))
@@ -349,7 +351,8 @@ def test_speculative_sampling_is_exact_and_controls_fail(setting):
   controls = {name: _chi_square_p_value(np.asarray(sample(rule, jax.random.PRNGKey(0))[0][:, 0]),
                                         dists, row_temperatures)
               for name, rule in (('correction_from_p', _residual_from_p()),
-                                 ('accept_if_p_above_q', _accept_if_p_above_q()))}
+                                 ('accept_if_p_above_q', _accept_if_p_above_q()))
+              if setting in CONTROLLED}
   print(f'{setting}: alpha={alpha:.3f} exact p={p_value:.3g} controls ' +
         ' '.join(f'{k} p={v:.3g}' for k, v in controls.items()))
   assert 0.2 < alpha < 0.8  # a draft that differs from the target, so the test has teeth

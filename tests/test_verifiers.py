@@ -134,13 +134,14 @@ def test_a_shorter_draft_is_judged_as_its_own_block():
 # ------------------------------------------------------------------------------------------------
 # Through the decoder.
 
+# Each setting is one compiled decoder: the settings merge what the exact one-call check above
+# covers one by one (gamma, temperature, top-k/p, a cut draft), so that the decoder's plumbing
+# of each (per-row temperatures, the shorter final block, the draft's cut logits) is exercised.
 DECODER_SETTINGS = {
-    'gamma_1': dict(gamma=1, temperature=1.0),
-    'gamma_2_temperature_0.6': dict(gamma=2, temperature=0.6),
-    'gamma_3_temperature_1.5': dict(gamma=3, temperature=1.5),
+    'gamma_3_per_row_temperature': dict(gamma=3, temperature=(0.6, 1.0, 1.5, 0.0)),
     'gamma_4_top_k_3': dict(gamma=4, temperature=1.0, topk=3),
-    'gamma_2_top_p_0.8': dict(gamma=2, temperature=1.0, topp=0.8),
-    'gamma_2_draft_cut': dict(gamma=2, temperature=1.0, draft_vocabulary=np.arange(4)),
+    'gamma_2_top_p_0.8_draft_cut': dict(gamma=2, temperature=1.0, topp=0.8,
+                                        draft_vocabulary=np.arange(4)),
 }
 
 
@@ -150,17 +151,28 @@ def _distribution(temperature, topk, topp):
   return _exact_distribution(TARGET, ENC, temperature, topk, topp)
 
 
+def _assert_samples_the_target(decoder, label, **kwargs):
+  """Chi-square of NUM_SAMPLES decodes against the enumerated target, per row temperature (a
+  tuple of temperatures is spread over the rows; rows at 0 must be greedy)."""
+  temperatures = np.atleast_1d(np.asarray(kwargs['temperature'], np.float32))
+  row_temperatures = np.resize(temperatures, NUM_SAMPLES)
+  if isinstance(kwargs['temperature'], tuple):
+    kwargs['temperature'] = jnp.asarray(row_temperatures)
+  samples, stats = _sample(decoder, **kwargs)
+  dists = {float(t): _distribution(float(t), kwargs.get('topk', 0), kwargs.get('topp', 0.0))
+           for t in temperatures}
+  p_value = _chi_square_p_value(samples, dists, row_temperatures)
+  alpha = stats.accepted / (stats.accepted + stats.rollbacks)
+  print(f'{label}: p={p_value:.3g}, alpha={alpha:.3f}, '
+        f'tokens per call {stats.emitted / stats.target_calls:.3f}')
+  assert p_value > SAME, f'{label} is not the target\'s sampler'
+  assert 0.2 < alpha < 0.95  # rejections happen: the test has teeth
+
+
 @pytest.mark.parametrize('setting', list(DECODER_SETTINGS))
 def test_block_verification_samples_the_target(setting):
-  kwargs = dict(DECODER_SETTINGS[setting])
-  samples, stats = _sample(decoding.speculative_sample, verification='block', **kwargs)
-  dist = _distribution(kwargs['temperature'], kwargs.get('topk', 0), kwargs.get('topp', 0.0))
-  p_value = _chi_square_p_value(samples, {kwargs['temperature']: dist})
-  alpha = stats.accepted / (stats.accepted + stats.rollbacks)
-  print(f'block, {setting}: p={p_value:.3g}, alpha={alpha:.3f}, '
-        f'tokens per call {stats.emitted / stats.target_calls:.3f}')
-  assert p_value > SAME, f'block verification ({setting}) is not the target\'s sampler'
-  assert 0.2 < alpha < 0.9  # rejections happen: the test has teeth
+  _assert_samples_the_target(decoding.speculative_sample, f'block, {setting}',
+                             verification='block', **DECODER_SETTINGS[setting])
 
 
 def test_block_with_weights_not_carried_is_caught_by_the_decoder_test(monkeypatch):
@@ -207,33 +219,18 @@ def test_bad_verification_settings_are_one_line(kwargs, message):
 # Token trees: exact with drafts drawn without replacement, greedy trees are greedy.
 
 TREE_SETTINGS = {
-    'branching_2_1_temperature_1': dict(branching=(2, 1), temperature=1.0),
-    'branching_3_temperature_0.6': dict(branching=(3,), temperature=0.6),
-    'branching_2_2_temperature_1.5': dict(branching=(2, 2), temperature=1.5),
+    'branching_2_2_per_row_temperature': dict(branching=(2, 2),
+                                              temperature=(0.6, 1.0, 1.5, 0.0)),
     'branching_4_1_top_k_3': dict(branching=(4, 1), temperature=1.0, topk=3),
-    'branching_2_1_top_p_0.8': dict(branching=(2, 1), temperature=1.0, topp=0.8),
-    'branching_3_draft_cut': dict(branching=(3,), temperature=1.0,
-                                  draft_vocabulary=np.arange(4)),
-    'branching_2_per_row_temperature': dict(branching=(2,), temperature=(0.7, 1.0, 1.5, 0.0)),
+    'branching_2_1_top_p_0.8_draft_cut': dict(branching=(2, 1), temperature=1.0, topp=0.8,
+                                              draft_vocabulary=np.arange(4)),
 }
 
 
 @pytest.mark.parametrize('setting', list(TREE_SETTINGS))
 def test_tree_sampling_samples_the_target(setting):
-  kwargs = dict(TREE_SETTINGS[setting])
-  temperatures = np.atleast_1d(np.asarray(kwargs['temperature'], np.float32))
-  row_temperatures = np.resize(temperatures, NUM_SAMPLES)
-  if isinstance(kwargs['temperature'], tuple):
-    kwargs['temperature'] = jnp.asarray(row_temperatures)
-  samples, stats = _sample(trees.tree_speculative_sample, **kwargs)
-  dists = {float(t): _distribution(float(t), kwargs.get('topk', 0), kwargs.get('topp', 0.0))
-           for t in temperatures}
-  p_value = _chi_square_p_value(samples, dists, row_temperatures)
-  alpha = stats.accepted / (stats.accepted + stats.rollbacks)
-  print(f'tree, {setting}: p={p_value:.3g}, alpha={alpha:.3f}, '
-        f'tokens per call {stats.emitted / stats.target_calls:.3f}')
-  assert p_value > SAME, f'tree sampling ({setting}) is not the target\'s sampler'
-  assert 0.2 < alpha < 0.95
+  _assert_samples_the_target(trees.tree_speculative_sample, f'tree, {setting}',
+                             **TREE_SETTINGS[setting])
 
 
 def _most_likely_children(rng, log_q, width):
