@@ -13,9 +13,11 @@ Settings: T=1, T=0.7 and T=1 with top-p 0.9. Token trees (`trees.tree_speculativ
 of as many verified rows (tree nodes = gamma + 1).
 
 Greedy identity: the first --greedy_sentences test captions decoded by the target alone at
-T=0 and by block verification (each of --greedy_gammas) and greedy token trees (each of
---greedy_trees) at a [batch] temperature operand of zeros, so that both run their sampled
-loops' greedy rows; the fraction of outputs token-identical to the target's.
+T=0 and by block verification (each of --greedy_gammas) and token trees (each of
+--greedy_trees) at a [batch] temperature operand of zeros (the sampled loops' greedy rows: a
+tree's children there are the one-hot draft's argmax, then untried tokens), and the trees again
+at a static temperature 0 (children: the draft's top-k); the fraction of outputs
+token-identical to the target's, and tokens per call.
 
 Speed: for each --sentences pair, target-only sampling at T=1 against speculative sampling at
 each --speed_gammas with both verifiers and the --speed_trees, timed round-robin as `benchmarks.speed` times them
@@ -133,8 +135,8 @@ def acceptance_grid(pair: pipeline.Pair, sources: Sequence[str], settings: Seque
 def greedy_identity(pair: pipeline.Pair, sources: Sequence[str], batch_size: int,
                     gammas: Sequence[int], tree_shapes: Sequence[str],
                     written: Callable[[List[Dict[str, Any]]], Any]) -> List[Dict[str, Any]]:
-  """Per verifier: the fraction of `sources` whose output is the target's greedy output, token
-  for token, at a temperature operand of zeros (the sampled loop's greedy rows)."""
+  """Per verifier and temperature path: the fraction of `sources` whose output is the target's
+  greedy output, token for token (module docstring, "Greedy identity")."""
   batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
                                  width=harness.INPUT_LENGTH)
   decode = lambda setting, overrides=None: harness.collect(harness.compile_setting(
@@ -142,14 +144,16 @@ def greedy_identity(pair: pipeline.Pair, sources: Sequence[str], batch_size: int
   greedy = decode(Setting('baseline', 0.0))['decodes']
   zeros = {'temperature': np.zeros(batch_size, np.float32)}
   rows = []
-  for setting in ([Setting('speculative', 0.0, g, verification='block') for g in gammas] +
-                  [Setting('tree', 0.0, branching=b) for b in tree_shapes]):
-    run = decode(setting, zeros)
-    rows.append({'name': setting.name, **setting._asdict(),
+  runs = ([(Setting('speculative', 0.0, g, verification='block'), 'operand') for g in gammas] +
+          [(Setting('tree', 0.0, branching=b), path) for path in ('operand', 'static')
+           for b in tree_shapes])
+  for setting, path in runs:
+    run = decode(setting, zeros if path == 'operand' else None)
+    rows.append({'name': setting.name, **setting._asdict(), 'temperature_path': path,
                  'identical': float(np.mean(np.all(run['decodes'] == greedy, axis=1))),
                  'tokens_per_call': harness.acceptance(run['stats'])['tokens_per_call']})
-    print(f"{setting.name}: {rows[-1]['identical']:.1%} identical to the target's greedy",
-          flush=True)
+    print(f"{setting.name} ({path} 0): {rows[-1]['identical']:.1%} identical to the target's "
+          'greedy', flush=True)
     written(rows)
   return rows
 
@@ -208,10 +212,12 @@ def markdown(results: Mapping[str, Any]) -> str:
                             'vs chain, same rows'), table) + ['']
   if results.get('greedy'):
     lines += [f"## Greedy identity ({results['meta']['greedy_sentences']} test captions, "
-              f"batch {results['meta']['count_batch']}, temperature operand 0)", '']
-    lines += harness.table(('verifier', 'identical to the target greedy', 'tokens/call'), [
-        [r['name'], f"{r['identical']:.1%}", f"{r['tokens_per_call']:.3f}"]
-        for r in results['greedy']]) + ['']
+              f"batch {results['meta']['count_batch']})", '']
+    lines += harness.table(
+        ('verifier', 'temperature 0 as', 'identical to the target greedy', 'tokens/call'), [
+            [r['name'], {'operand': 'a [batch] operand', 'static': 'static'}[
+                r.get('temperature_path', 'operand')], f"{r['identical']:.1%}",
+             f"{r['tokens_per_call']:.3f}"] for r in results['greedy']]) + ['']
   for batch_size, block in results.get('batches', {}).items():
     lines += [f"## Speed at batch {batch_size} ({block['num_sentences']} sentences, T=1; "
               f"median of {results['meta']['rounds']} interleaved rounds)", '']

@@ -159,8 +159,9 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert not results['batches']
   assert '| T=1 | (2) | 1 | 3 |' in (tmp_path / 'verifiers.md').read_text()
   # Greedy rows of the sampled loops are the target's greedy output.
-  assert [(r['name'], r['identical']) for r in results['greedy']] == [
-      ('speculative gamma=2 block T=0', 1.0), ('tree (2,1) T=0', 1.0)]
+  assert [(r['name'], r['temperature_path'], r['identical']) for r in results['greedy']] == [
+      ('speculative gamma=2 block T=0', 'operand', 1.0), ('tree (2,1) T=0', 'operand', 1.0),
+      ('tree (2,1) T=0', 'static', 1.0)]
 
 
 def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
