@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import shutil
+import tempfile
 from typing import List
 
 # The tests check what programs compute, not how fast they run, and XLA:CPU's backend (LLVM)
@@ -11,6 +13,18 @@ from typing import List
 if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_backend_optimization_level=0').strip()
+
+# One persistent compilation cache per test run, shared by the xdist workers (this file is
+# loaded by pytest's main process before it starts them, and they inherit the variable) and by
+# the processes tests start: many tests compile the same programs (the embedded pair's loops at
+# the same shapes, the tiny models' decoders), and what one process compiled another loads. Only
+# programs that take a second or more to compile are stored (JAX's threshold). A cache the user
+# set is used as it is and kept; this one is removed when the run ends (pytest_sessionfinish).
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='speculative_t5x_tests_jax_')
+  _RUN_CACHE = os.environ['JAX_COMPILATION_CACHE_DIR']
+else:
+  _RUN_CACHE = None
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
@@ -78,3 +92,9 @@ def ragged_tokens(rng, batch: int, length: int, vocab: int, min_length: int = 1)
   tokens = jax.random.randint(k1, (batch, length), 2, vocab)
   lengths = jax.random.randint(k2, (batch,), min_length, length + 1)
   return jnp.where(jnp.arange(length)[None] < lengths[:, None], tokens, 0).astype(jnp.int32)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:  # pylint: disable=unused-argument
+  """The process that made the run's compilation cache removes it (the workers inherit it)."""
+  if _RUN_CACHE is not None:
+    shutil.rmtree(_RUN_CACHE, ignore_errors=True)
