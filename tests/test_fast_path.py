@@ -22,14 +22,12 @@ UNRELATED = random_model(CFG, seed=1, logit_scale=4.0)
 # (rule, gamma, draft, confidence threshold, adaptive gamma, rescale_log_probs)
 CASES = {
     'target_only': (decoding.speculative_rule(), 0, None, 0.0, False, True),
-    'target_only_raw_scores': (decoding.speculative_rule(), 0, None, 0.0, False, False),
     'speculative_gamma1': (decoding.speculative_rule(), 1, NOISY, 0.0, False, True),
     'speculative_gamma3_raw_scores': (decoding.speculative_rule(), 3, NOISY, 0.0, False, False),
     'speculative_gamma7_unrelated': (decoding.speculative_rule(), 7, UNRELATED, 0.0, False, True),
     'speculative_adaptive_confidence': (decoding.speculative_rule(), 5, NOISY, 0.5, True, True),
     'lenient': (decoding.speculative_rule(0.3, greedy=True), 4, UNRELATED, 0.0, False, True),
     'bild': (decoding.bild_rule(2.0), 6, NOISY, 0.6, False, True),
-    'bild_unrelated': (decoding.bild_rule(5.0), 6, UNRELATED, 0.9, False, False),
 }
 
 
