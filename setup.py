@@ -21,6 +21,7 @@ setuptools.setup(
         'speculative-t5x-translate = speculative_t5x.translate:main',
         'speculative-t5x-infer = speculative_t5x.infer:run',
         'speculative-t5x-train = speculative_t5x.train:run',
+        'speculative-t5x-calibrate = speculative_t5x.calibrate:run',
     ]},
     python_requires='>=3.10',
     install_requires=[

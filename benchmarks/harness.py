@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from speculative_t5x import beam_search
+from speculative_t5x import calibrate
+from speculative_t5x import costs
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import network
@@ -52,7 +54,6 @@ INPUT_LENGTH_STEP = 16  # encoder width: each batch's longest input rounded up t
 OUTPUT_LENGTH = 64
 BILD_MAX_SMALL_STEPS = 10  # bild_decode's default, the paper's
 BEAM_ALPHA = 0.6  # T5X's brevity penalty default
-PROBE_ROUNDS = 7  # rounds of the step probes (cheap; their first round compiles and is dropped)
 
 Batch = Dict[str, jax.Array]
 Outputs = List[Tuple[Any, Dict[str, Any]]]  # one pass: (decodes, aux) per batch
@@ -395,64 +396,10 @@ def ms_per(seconds: Sequence[float], count: int) -> float:
 # Machine probes.
 
 
-def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8,
-               input_length: int = 20, output_length: int = OUTPUT_LENGTH
-               ) -> Tuple[network.Transformer, Dict[str, Any], network.DecoderCache]:
-  """(module, variables, cache) of `name`'s cached decoder over a random `input_length`-token
-  input, the cache (`output_length` positions) holding `position` tokens; variables include
-  the decode-time layouts."""
-  config = pair.configs[name]
-  module = network.Transformer(config)
-  variables = {'params': pair.params[name],
-               network.DECODE_COLLECTION: pair.params['decode'][name]}
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, input_length), 3, config.vocab_size)
-
-  @jax.jit
-  def empty_cache(params, tokens):  # jitted: op by op, the encoder alone takes seconds
-    encoded = module.apply({'params': params}, tokens, method=network.Transformer.encode)
-    return module.apply({'params': params}, encoded, tokens, output_length,
-                        method=network.Transformer.init_cache)
-
-  cache = empty_cache(pair.params[name], tokens)
-  return module, variables, cache.with_index(jnp.full((batch,), position, jnp.int32))
-
-
-def step_loop(pair: pipeline.Pair, name: str, batch: int, k: int, steps_per_call: int = 16,
-              shapes: Tuple[int, int] = (20, OUTPUT_LENGTH)
-              ) -> Tuple[Callable[[], jax.Array], Any]:
-  """(call, compiled) of `steps_per_call` cached decode steps of `name` ('target' or 'draft')
-  appending k tokens per row, as the decode loops run them: in one jitted `fori_loop` carrying
-  the cache (each step's index stays put, and depends on its logits so that nothing is dead
-  code), over an input of shapes[0] tokens with a cache of shapes[1] positions. `compiled` is
-  the compiled program (for its HLO)."""
-  module, variables, cache = step_setup(pair, name, batch, input_length=shapes[0],
-                                        output_length=shapes[1])
-
-  def steps(variables, cache):
-    def body(_, cache):
-      logits, new_cache = module.apply(variables, jnp.full((batch, k), 5, jnp.int32), cache,
-                                       method=network.Transformer.decode_step)
-      return new_cache.with_index(cache.index + (jnp.argmax(logits[:, -1], axis=-1) < 0))
-    return jax.lax.fori_loop(0, steps_per_call, body, cache).index
-
-  compiled = jax.jit(steps).lower(variables, cache).compile()
-  return functools.partial(compiled, variables, cache), compiled
-
-
-def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
-                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16,
-                  shapes: Tuple[int, int] = (20, OUTPUT_LENGTH)) -> Dict[int, float]:
-  """Median ms of one cached decode step of `name` ('target' or 'draft') appending k tokens per
-  row, for k in chunk_sizes, timed inside a loop (`step_loop`).
-
-  A step jitted alone would add a dispatch (~0.3-1 ms on a CPU) that the loops do not pay and
-  hide how the step grows with k (`dispatched_step_ms` measures that). The sizes take turns in
-  each round.
-  """
-  loops = {k: step_loop(pair, name, batch, k, steps_per_call, shapes)[0]
-           for k in sorted(set(chunk_sizes))}
-  times = policy.round_robin(loops, rounds + 1)  # the first round warms up
-  return {k: 1e3 * float(np.median(t[1:])) / steps_per_call for k, t in times.items()}
+# The step probes are the calibrate command's (one implementation).
+step_setup = calibrate.step_setup
+step_loop = calibrate.step_loop
+step_times_ms = calibrate.step_times_ms
 
 
 def dispatched_step_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
@@ -522,12 +469,12 @@ def param_count(params: Any) -> int:
 
 def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
   """Leviathan et al.'s expected walltime improvement (Theorem 3.8, cost model of section 3.4)."""
-  return policy.expected_tokens(alpha, gamma) / (gamma * c + 1)
+  return costs.expected_tokens(alpha, gamma) / (gamma * c + 1)
 
 
 def extra_arithmetic(alpha: float, gamma: float, c_hat: float) -> float:
   """Theorem 3.11: operations per generated token relative to the baseline."""
-  return (gamma * c_hat + gamma + 1) / policy.expected_tokens(alpha, gamma)
+  return (gamma * c_hat + gamma + 1) / costs.expected_tokens(alpha, gamma)
 
 
 def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.ndarray,

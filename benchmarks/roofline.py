@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from speculative_t5x import costs
+
 HARDWARE = {
     # name: peak bf16 FLOP/s (dense), HBM bytes/s, HBM bytes, interconnect bytes/s per chip,
     # assumed latency of one small collective (s).
@@ -98,10 +100,6 @@ def read_bytes(parts: Optional[Mapping[str, int]], t5x: bool = False) -> Optiona
   return parts['weights'] + parts['self_cache'] + parts['cross_cache']
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-  return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
 def project(block: Mapping[str, Any], hw: Mapping[str, float], alpha: float, gamma: int,
             placement: str, t5x_step: Optional[Mapping[str, Any]] = None) -> Dict[str, float]:
   """Step times (ms) and speedups of one block on `hw` at acceptance alpha and gamma."""
@@ -119,7 +117,7 @@ def project(block: Mapping[str, Any], hw: Mapping[str, float], alpha: float, gam
   verify = step_seconds(steps['target'][str(gamma + 1)], group, hw, target_bytes)
   draft_1 = step_seconds(draft['1'], group, hw, draft_bytes)
   iteration = step_seconds(draft['2'], group, hw, draft_bytes) + (gamma - 1) * draft_1 + verify
-  per_token = iteration / expected_tokens(alpha, gamma)
+  per_token = iteration / costs.expected_tokens(alpha, gamma)
   held = block.get('per_device', {})
   # Parameters of both models and both caches must fit the chip (temporaries come on top).
   resident = (held.get('params', {}).get('target', 0) +

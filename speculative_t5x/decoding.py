@@ -965,7 +965,9 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
   draft's; both callables must write at `DecodingState.cur_index` (the project's DecoderCache).
   gamma: the (static) maximum number of draft tokens per target call ('auto' in a model's
-    decode_kwargs or gin is chosen per batch by `policy`, before this is called).
+    decode_kwargs or gin is chosen per batch by `policy`, before this is called); 0 decodes
+    with the target alone, as `temperature_sample` with the same temperature, topk and topp
+    (the draft and its cache go unused).
   adaptive_gamma: per row, gamma grows by 2 after a fully accepted draft and shrinks by 1 after a
     rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
     draft's top probability falls below it (the unconfident token is not proposed). Both only
@@ -988,8 +990,13 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
     raise ValueError("gamma='auto' is resolved per batch outside the jitted decoder "
                      '(`policy`: the infer job and the translate command do it); give '
                      'speculative_sample an int.')
-  if gamma < 1:
-    raise ValueError(f'gamma must be >= 1, got {gamma}.')
+  if gamma < 0:
+    raise ValueError(f'gamma must be >= 0, got {gamma}.')
+  if gamma == 0:  # the target alone: a calibrated choice where speculation does not pay
+    return temperature_sample(inputs, cache, tokens_to_logits, eos_id, decode_rng, num_decodes,
+                              temperature, topk, topp, cache_offset, initial_index,
+                              max_decode_steps, rescale_log_probs=rescale_log_probs,
+                              return_stats=return_stats)
   if verification not in VERIFICATIONS:
     raise ValueError(f'verification must be one of {VERIFICATIONS}, got {verification!r}.')
   block = verification == 'block'

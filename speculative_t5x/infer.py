@@ -59,6 +59,10 @@ Settings (gin: `infer_script.infer.NAME`; T5X's macros in gin_configs/runs/infer
     `policy.DecodingPolicy` picks one per batch from the job's measured batch times (recorded
     per example as stats.gamma; with `decoding.speculative_beam_search.branching = 'auto'`,
     stats.branching; the schedule and measurements in the summary's "policy").
+  calibration: the calibration.json of speculative-t5x-calibrate (its infer_schedule.gin binds
+    it): with gamma='auto' the first batch runs its gamma for batch_size (the nearest
+    calibrated size's) instead of the fixed fallback, the policy follows the model of that
+    batch size as the job counts acceptance, and timing checks both.
   progress: show a progress bar (process 0).
   chunk_hook: called with a chunk's number right after it is committed (tests stop a job
     at a known chunk through it; monitoring may count progress).
@@ -90,6 +94,7 @@ import speculative_t5x
 from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
 from speculative_t5x import chunks
+from speculative_t5x import costs
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
@@ -333,7 +338,8 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
           checkpoint_period: int = 4, partitioner: Optional[partitioning.Partitioner] = None,
           shard_id: int = 0, num_shards: int = 1, output_ids: bool = False,
           dtype: Optional[str] = 'auto', seed: int = 0, num_decodes: int = 1,
-          max_gamma: int = policy.MAX_GAMMA, progress: bool = True,
+          max_gamma: int = policy.MAX_GAMMA,
+          calibration: Optional[str] = None, progress: bool = True,
           chunk_hook: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
   """Decodes every example of a task split or file; returns (and writes) the run summary.
   Each setting is described in this module's docstring ("Settings")."""
@@ -347,6 +353,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   vocabulary = _check_vocabularies(model)
   decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
   _check_decoding(model, decode_kwargs, num_decodes, max_gamma)
+  calibrated = _load_calibration(calibration)
   store = chunks.ChunkStore(Path(output_dir), job.name, shard_id, num_shards, job.num_processes)
   if job.process == 0:
     chunks.atomic_write(Path(output_dir) / 'config.gin', gin.config_str())
@@ -362,7 +369,8 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   params, load_seconds = _load_pair(model, target_checkpoint_path, draft_checkpoint_path,
                                     job.dtype, job.partitioner)
   compile_start = time.time()
-  decoding_policy, decoders = policy.plan(model, decode_kwargs, max_gamma)
+  decoding_policy, decoders = policy.plan(model, decode_kwargs, max_gamma, calibrated,
+                                          batch_size)
   predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes,
                                  warm_up=decoding_policy.measured)
   run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), default_temperature)
@@ -590,6 +598,16 @@ def _summary(records: List[Dict[str, Any]], model: models.EncoderDecoderModel,
           **run,
       },
   }
+
+
+def _load_calibration(path: Optional[str]) -> Optional[costs.Calibration]:
+  """speculative-t5x-calibrate's figures (None without a path); one line if unreadable."""
+  if path is None:
+    return None
+  try:
+    return costs.load_calibration(gin_utils.resolve_path(path))
+  except (ValueError, FileNotFoundError) as e:
+    raise InferError(f'infer_script.infer.calibration: {e}') from None
 
 
 def _bound_decode_kwargs(fn: Any, explicit: Mapping[str, Any]) -> Dict[str, Any]:

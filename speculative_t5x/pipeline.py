@@ -26,6 +26,7 @@ import numpy as np
 
 from speculative_t5x import beam_search
 from speculative_t5x import checkpoints
+from speculative_t5x import costs
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
@@ -220,7 +221,8 @@ class Pipeline:
 
   def __init__(self, pair: Pair, *, batch_size: int = 8, max_input_length: int = 64,
                max_output_length: int = 64, input_length_step: int = 16,
-               partitioner: Optional[partitioning.Partitioner] = None):
+               partitioner: Optional[partitioning.Partitioner] = None,
+               calibration: Optional[Union[PathLike, costs.Calibration]] = None):
     if batch_size < 1:
       raise ValueError(f'batch_size must be at least 1, got {batch_size}.')
     self.pair = pair
@@ -229,6 +231,8 @@ class Pipeline:
     self.max_output_length = max_output_length
     self.input_length_step = input_length_step
     self.partitioner = partitioner or partitioning.Partitioner()
+    self.calibration = (costs.load_calibration(calibration) if isinstance(
+        calibration, (str, os.PathLike)) else calibration)
     model = pair.model()
     self.params = partitioning.shard_params(
         pair.params, self.partitioner.pair_shardings(model, pair.params))
@@ -252,7 +256,8 @@ class Pipeline:
     decode_fn, defaults = DECODERS[decoder]
     kwargs = {**defaults, **decode_kwargs}
     model = self.pair.model(decode_fn, kwargs)
-    decoding_policy, decoders = policy.plan(model, kwargs)
+    decoding_policy, decoders = policy.plan(model, kwargs, calibration=self.calibration,
+                                            batch_size=rows)
     key = (decoder, tuple(sorted(kwargs.items())), rows)
     if key not in self._prepared:
       self._prepared[key] = decoding_policy, Predictor(decoders, self.params, self.partitioner,

@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from speculative_t5x import beam_search
+from speculative_t5x import costs
 from speculative_t5x import decoding
 from speculative_t5x import models
 
@@ -191,11 +192,15 @@ class DecodingPolicy:
   setting: what a choice sets ('gamma' or 'branching'; None for a fixed decoder), the name under
     which the infer job records it per example.
   clock: injectable for tests.
+  model: the batch size's `costs.StepCosts` (speculative-t5x-calibrate's) for gamma choices:
+    the job's batches count their acceptance (`observe`'s stats), and a choice the model then
+    predicts fastest is tried next if it has not run yet; timing decides from there.
   """
 
   def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
                fallback: Any = None, window: int = WINDOW, explore_every: int = EXPLORE_EVERY,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter,
+               model: Optional[costs.StepCosts] = None):
     if not choices:
       raise ValueError('DecodingPolicy needs at least one choice.')
     self.choices = tuple(choices)
@@ -204,6 +209,9 @@ class DecodingPolicy:
     self.explore_every = explore_every
     self.window = window
     self.clock = clock
+    self.model = model
+    # (gamma, loop iterations, output positions) of the last `window` speculative batches.
+    self.counts: Deque[Tuple[int, int, int]] = collections.deque(maxlen=window)
     self.records = {c: _Record(window, interval=explore_every) for c in self.choices}
     self.current = self.fallback  # the running choice
     self.batches = 0
@@ -216,7 +224,7 @@ class DecodingPolicy:
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
     return DecodingPolicy(self.choices, self.setting, self.fallback, self.window,
-                          self.explore_every, self.clock)
+                          self.explore_every, self.clock, self.model)
 
   @property
   def measured(self) -> bool:
@@ -226,6 +234,27 @@ class DecodingPolicy:
   def best(self) -> Any:
     """The running choice: the fastest confirmed one (the fallback before any measurement)."""
     return self.current
+
+  def alpha(self) -> Optional[float]:
+    """The effective acceptance of the job's recent speculative batches (`costs.
+    effective_alpha` of each gamma's tokens per loop iteration, weighted by iterations)."""
+    by_gamma: Dict[int, List[int]] = collections.defaultdict(lambda: [0, 0])
+    for gamma, iterations, positions in self.counts:
+      by_gamma[gamma][0] += iterations
+      by_gamma[gamma][1] += positions
+    if not by_gamma:
+      return None
+    weights = [it for it, _ in by_gamma.values()]
+    alphas = [costs.effective_alpha(pos / max(it, 1), g) for g, (it, pos) in by_gamma.items()]
+    return float(np.average(alphas, weights=weights))
+
+  def predicted(self) -> Optional[Any]:
+    """The choice the model predicts fastest at the observed acceptance (None without a model
+    or before a speculative batch)."""
+    alpha = self.alpha()
+    if self.model is None or alpha is None:
+      return None
+    return self.model.best(alpha, [c for c in self.choices if c <= self.model.max_gamma])
 
   def _neighbours(self) -> List[Any]:
     """The choices one step more and less speculative than the running one, and the next one
@@ -323,6 +352,9 @@ class DecodingPolicy:
       if record.count and (gain > MARGIN or
                            gain + Z * error > MARGIN and self._affordable(choice)):
         return choice if record.count <= current.count else self.current
+    predicted = self.predicted()  # the model's pick, once, untried: timing decides from there
+    if predicted is not None and predicted != self.current and not self.records[predicted].count:
+      return predicted
     # Untried neighbours within the exploration budget; measured ones when their interval is
     # up (its doubling bounds what re-measuring costs: a neighbour's relative speed can only be
     # known to have changed by measuring it again).
@@ -344,9 +376,14 @@ class DecodingPolicy:
       choice = self.choices[int(index)]
     return choice
 
-  def observe(self, choice: Any, seconds: float, decodes: Any) -> None:
-    """Records a decoded batch: its choice, wall seconds and decodes [batch, (beams,) length]."""
+  def observe(self, choice: Any, seconds: float, decodes: Any,
+              stats: Optional[Mapping[str, Any]] = None) -> None:
+    """Records a decoded batch: its choice, wall seconds, decodes [batch, (beams,) length] and
+    (for the model's acceptance) the decoder's per-row stats, `target_calls` [batch]."""
     record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
+    if (self.model is not None and self.setting == 'gamma' and choice and stats and
+        'target_calls' in stats):
+      self.counts.append((choice, _most(stats['target_calls']), positions))
     if choice not in (self.current, self.choices[0]) and self.records[self.current].count:
       self.excess_ms += ms - self.records[self.current].cost * positions
     record.add(self.batches, ms, positions)
@@ -391,7 +428,7 @@ class DecodingPolicy:
       jax.block_until_ready(landed[2])
       now = self.clock()
       if recorded:
-        self.observe(landed[1], now - mark, landed[2][0])
+        self.observe(landed[1], now - mark, landed[2][0], landed[2][1].get('stats'))
       mark = now
       return landed
 
@@ -425,9 +462,30 @@ class DecodingPolicy:
     return {'setting': self.setting, 'fallback': _json(self.fallback), 'best': _json(self.best()),
             'fallback_only': list(tried) == [self.fallback],
             'exploration_share': round(self.excess_ms / max(self.total_ms, 1e-9), 4),
+            **self._model_summary(),
             'measured': {str(_json(c)): {'batches': r.batches,
                                          'ms_per_position': round(r.cost, 4)}
                          for c, r in tried.items()}}
+
+  def _model_summary(self) -> Dict[str, Any]:
+    """The model's view ({} without a model): the observed acceptance, the choice it predicts
+    fastest and its predicted ms per output position of each choice measured, beside the
+    measured ones (`summary`'s)."""
+    alpha = self.alpha()
+    if self.model is None or alpha is None:
+      return {}
+    positions = float(np.mean([p for _, _, p in self.counts]))  # per batch
+    return {'model': {'alpha': round(alpha, 4), 'predicted_best': self.predicted(),
+                      'predicted_ms_per_position': {
+                          str(c): round(self.model.ms_per_position(c, alpha, positions), 4)
+                          for c in self.choices if c <= self.model.max_gamma}}}
+
+
+def _most(values: Any) -> int:
+  """The largest entry of a (possibly multi-host) per-row array: a batch's loop iterations."""
+  if isinstance(values, jax.Array) and not values.is_fully_addressable:
+    values = np.concatenate([np.asarray(s.data) for s in values.addressable_shards])
+  return int(np.max(np.asarray(values)))
 
 
 def _json(choice: Any) -> Any:
@@ -439,18 +497,27 @@ def _name(fn: Callable) -> Optional[str]:
 
 
 def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
-         max_gamma: int = MAX_GAMMA, **policy_kwargs: Any
+         max_gamma: int = MAX_GAMMA, calibration: Optional[costs.Calibration] = None,
+         batch_size: Optional[int] = None, **policy_kwargs: Any
          ) -> Tuple[DecodingPolicy, Dict[Any, models.EncoderDecoderModel]]:
   """The policy of a job and its decoders, {choice: model}.
 
   decode_kwargs: the effective arguments of model.decode_fn (gin-bound and the model's). A
   speculative_sample model with gamma='auto' gets gammas 0..max_gamma, a speculative_beam_search
   model with branching='auto' the `TREES`; any other model is its own single choice, None.
+  calibration (speculative-t5x-calibrate's) and the job's batch_size: under gamma='auto' the
+  first batch runs the schedule's entry for batch_size (the nearest calibrated size's; else
+  `fallback_gamma`), clipped to max_gamma, and the policy follows the batch size's model
+  (`DecodingPolicy`'s `model`) when the calibration has one.
   policy_kwargs go to `DecodingPolicy` (window, explore_every, clock).
   """
   name = _name(model.decode_fn)
   if name == _name(decoding.speculative_sample) and decode_kwargs.get('gamma') == AUTO:
-    fallback = min(fallback_gamma(decode_kwargs.get('temperature', 1.0)), max_gamma)
+    start = costs.scheduled(calibration.schedule, batch_size) if calibration else None
+    fallback = min(fallback_gamma(decode_kwargs.get('temperature', 1.0)) if start is None
+                   else start, max_gamma)
+    if calibration is not None:
+      policy_kwargs.setdefault('model', calibration.model(batch_size))
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, **policy_kwargs),
             gamma_decoders(model, decode_kwargs, max_gamma))
   if (name == _name(beam_search.speculative_beam_search) and
@@ -507,9 +574,3 @@ def tree_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str,
     out[tree] = _copy(model, model.decode_fn, {**model.decode_kwargs, 'branching': tree})
   return out
 
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-  """The paper's expected output tokens per target call: (1 - alpha^(gamma + 1)) / (1 - alpha)."""
-  if alpha >= 1.0:
-    return float(gamma + 1)
-  return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)

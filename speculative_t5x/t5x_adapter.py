@@ -55,11 +55,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import flax
 
+from speculative_t5x import costs
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
@@ -109,7 +111,9 @@ class _SpeculativeMethods:
   def __init__(self, module, draft_module, input_vocabulary, output_vocabulary,
                optimizer_def=None, decode_fn: Callable = decoding.speculative_sample,
                decode_kwargs: Optional[Mapping[str, Any]] = None,
-               default_decoder_params: Optional[Any] = None, **kwargs):
+               default_decoder_params: Optional[Any] = None,
+               gamma_schedule: Optional[Mapping[int, int]] = None, **kwargs):
+    self.gamma_schedule = costs.parse_schedule(gamma_schedule or {})
     # Kept here as well as by T5X's constructor, which stores it privately.
     self._spec_default_decoder_params = (default_decoder_params or
                                          self._decoder_params_type())
@@ -167,10 +171,24 @@ class _SpeculativeMethods:
       rng = decoder_params['decode_rng']
     # The pair model sets decode_rng itself (from `rng`); a second one would clash.
     decoder_params.pop('decode_rng', None)
+    gamma = self.scheduled_gamma(batch['encoder_input_tokens'].shape[0])
+    if gamma is not None and 'gamma' not in decoder_params:
+      decoder_params['gamma'] = gamma
     return self._pair.predict_batch_with_aux(
         params, batch, rng, decoder_params=decoder_params,
         return_all_decodes=bool(return_all_decodes), num_decodes=int(num_decodes),
         prompt_with_targets=prompt_with_targets)
+
+
+  def scheduled_gamma(self, batch_size: int) -> Optional[int]:
+    """The calibrated gamma for `batch_size` (`gamma_schedule`, written by
+    speculative-t5x-calibrate; T5X traces predict_batch at a static batch size, so the choice is
+    made once per compiled program), None without a schedule or for a decoder without gamma.
+    Gamma 0 is a schedule's "the target alone": speculative_sample at gamma 0 decodes with the
+    target only."""
+    if not self.gamma_schedule or 'gamma' not in inspect.signature(self._pair.decode_fn).parameters:
+      return None
+    return costs.scheduled(self.gamma_schedule, batch_size)
 
 
 def _build_class() -> type:
@@ -186,6 +204,8 @@ def _build_class() -> type:
       it, and `decoder_params` of `predict_batch_with_aux` override them.
     default_decoder_params: as T5X's: `return_all_decodes` / `num_decodes` used when
       `predict_batch_with_aux` is not given them.
+    gamma_schedule: {batch size: gamma} (speculative-t5x-calibrate's t5x_schedule.gin): the
+      gamma of a predict_batch call is its batch size's entry (the nearest calibrated size's).
     """
     _decoder_params_type = t5x_models.DecoderParams
 

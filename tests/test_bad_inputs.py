@@ -109,6 +109,9 @@ INFER_CASES = {
     'unwritable output': (None, [], [], 'not writable'),
     'malformed draft vocabulary': (None, ["--gin.DRAFT_CHECKPOINT_PATH='{bad}/draft'"], [],
                                    'draft vocabulary'),
+    'calibration that is not one': (None, ["--gin.infer_script.infer.calibration="
+                                           "'{bad}/blank.txt'"], [],
+                                    'infer_script.infer.calibration: '),
 }
 
 

@@ -1,7 +1,9 @@
 """Smoke test of the benchmark commands: each main() in-process on the tiniest setting.
 
 Checks that every command writes its JSON and Markdown with the expected keys and that greedy
-speculative decoding reproduces the target alone's outputs; never how fast anything ran.
+speculative decoding reproduces the target alone's outputs; never how fast anything ran. The
+commands run on a small random pair over the embedded vocabulary (`small_pair`): the same code
+paths as the embedded pair's, at a fraction of its compile time (most of these tests' time).
 """
 
 import json
@@ -16,11 +18,14 @@ from benchmarks import draft_acceptance
 from benchmarks import drafts
 from benchmarks import encoder_width
 from benchmarks import engine
+from benchmarks import harness
 from benchmarks import profile
 from benchmarks import speed
 from benchmarks import verifiers
 from benchmarks import vs_ctranslate2
 from benchmarks import vs_t5x
+from speculative_t5x import network
+from speculative_t5x import pipeline
 import conftest
 
 TINY = ['--sentences', '1:2', '--rounds', '1']
@@ -42,6 +47,25 @@ def shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterat
   for name, value in before.items():
     jax.config.update(name, value)
   compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope='module', autouse=True)
+def small_pair() -> Iterator[pipeline.Pair]:
+  """Every command's `harness.load_pair` gives a random 2-layer target over the embedded
+  vocabulary and, as its draft, the same network with perturbed weights (a draft that agrees
+  often but not always: both accepted and rejected proposals occur)."""
+  config = network.T5Config(vocab_size=8000, emb_dim=32, num_heads=2, head_dim=16,
+                            num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64,
+                            mlp_activations=('gelu', 'linear'), dropout_rate=0.0)
+  target, _ = network.init_params(config, jax.random.PRNGKey(0))
+  leaves, tree = jax.tree.flatten(target)
+  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+  draft = jax.tree.unflatten(tree, [x + 0.02 * jax.random.normal(k, x.shape, x.dtype)
+                                    for x, k in zip(leaves, keys)])
+  pair = harness.make_pair(config, config, {'target': target, 'draft': draft})
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(harness, 'load_pair', lambda *args, **kwargs: pair)
+    yield pair
 
 
 @pytest.fixture
@@ -129,15 +153,16 @@ def test_encoder_width(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert len(block['ms_per_sentence']) == 4
 
 
-def test_engine(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+def test_engine(tmp_path: pathlib.Path, data_args: List[str],
+                small_pair: pipeline.Pair) -> None:
   engine.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1'])
   block = written(tmp_path, 'engine', 'The engine')['batches']['1']
   assert block['identical_outputs']
   rows = {r['layout']: r for r in block['rows']}
   assert list(rows) == ['separate', 'draft vocabulary', 'stacked']
   # Stacking removes two matmuls per decoder layer from a 1-token target step (q/k/v: 3 -> 1;
-  # the embedded target's gated MLP: wi_0/wi_1 2 -> 1, so three in all).
-  layers = 6
+  # a gated MLP: wi_0/wi_1 2 -> 1, so three in all).
+  layers = small_pair.target_config.num_decoder_layers
   dots = {name: r['kernels']['target k=1']['dot'] for name, r in rows.items()}
   assert dots['separate'] - dots['stacked'] >= 2 * layers, dots
   assert set(block['over_separate']['target k=1']) == {'draft vocabulary', 'stacked'}

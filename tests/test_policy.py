@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks import policy_sim
 from speculative_t5x import beam_search
+from speculative_t5x import costs
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import policy
@@ -195,9 +196,9 @@ def test_round_robin_runs_passes_in_pieces_that_take_turns():
 
 
 def test_expected_tokens_is_the_papers_formula():
-  assert policy.expected_tokens(0.0, 4) == 1.0
-  assert policy.expected_tokens(1.0, 3) == 4.0
-  assert policy.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+  assert costs.expected_tokens(0.0, 4) == 1.0
+  assert costs.expected_tokens(1.0, 3) == 4.0
+  assert costs.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def test_plan_covers_target_only_each_gamma_and_beam_trees():

@@ -202,6 +202,20 @@ def test_pair_file_builds_the_embedded_pair_model(clean_gin):
   assert model._pair.uses_draft  # pylint: disable=protected-access
 
 
+def test_calibrated_schedule_file_binds_the_pair_models_schedule(clean_gin, tmp_path):
+  pytest.importorskip('seqio', reason='the vocabulary is a seqio.SentencePieceVocabulary')
+  from speculative_t5x import calibrate  # pylint: disable=g-import-not-at-top
+  block = {'alpha': 0.8, 'predicted_ms_per_position': {}, 'costs': {
+      'target_ms': {}, 'draft_ms': {}, 'batch_ms': 0.0, 'plain_overhead_ms': 0.0,
+      'overhead_ms': 0.0, 'overhead_per_token_ms': 0.0}}
+  written = calibrate.write(tmp_path, {'command': 'x', 'batch_sizes': {
+      1: {**block, 'best': 4}, 32: {**block, 'best': 0}}}, 'x')
+  gin.parse_config_files_and_bindings(
+      [str(T5X_CONFIGS / 'multi30k_pair.gin'), str(T5X_CONFIGS / 'speculative_greedy.gin'),
+       str(written[2])], [])
+  assert _gin_value('MODEL').gamma_schedule == {1: 4, 32: 0}
+
+
 def test_bild_file_binds_greedy_bild(clean_gin):
   gin.parse_config_file(str(T5X_CONFIGS / 'bild.gin'))
   fn = gin.query_parameter('t5x_adapter.SpeculativeEncoderDecoderModel.decode_fn')
@@ -394,6 +408,32 @@ def test_default_decoder_params_and_decode_rng():
   plain._pair._init_cache = lambda *args: None  # pylint: disable=protected-access
   assert plain.predict_batch_with_aux(params, batch)[0].shape == (2, 6)
   assert calls[-1]['num_decodes'] == 1
+
+
+def test_a_calibrated_schedule_sets_gamma_by_the_traced_batch_size():
+  """speculative-t5x-calibrate's t5x_schedule.gin: each predict_batch call (T5X traces one per
+  batch size) decodes at its batch size's gamma; decoder_params still override it."""
+  calls = []
+  model, params, batch, _ = _tiny_model(decode_fn=_recording_decoder(calls),
+                                        gamma_schedule={1: 4, 2: 3, 32: 0})
+  model._pair._init_cache = lambda *args: None  # pylint: disable=protected-access
+  model.predict_batch_with_aux(params, batch)
+  assert calls[-1]['gamma'] == 3
+  one = {k: v[:1] for k, v in batch.items()}
+  model.predict_batch_with_aux(params, one)
+  assert calls[-1]['gamma'] == 4
+  model.predict_batch_with_aux(params, batch, decoder_params={'gamma': 1})
+  assert calls[-1]['gamma'] == 1
+  assert [model.scheduled_gamma(b) for b in (8, 16, 64)] == [3, 0, 0]
+  assert _tiny_model(decode_fn=_recording_decoder(calls))[0].scheduled_gamma(2) is None
+
+
+def test_scheduled_gamma_0_decodes_with_the_target_alone():
+  model, params, batch, (target_cfg, draft_cfg) = _tiny_model(gamma_schedule={2: 0})
+  alone = models.EncoderDecoderModel(target_cfg, draft_cfg, decode_fn=decoding.temperature_sample,
+                                     decode_kwargs={'temperature': 0.0}, eos_id=1)
+  np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, batch),
+                                jax.jit(alone.predict_batch)(params, batch))
 
 
 def test_compute_logits_returns_mutated_variables_when_asked():

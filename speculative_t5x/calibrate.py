@@ -1,0 +1,381 @@
+"""Calibrates gamma for a pair on this machine: step costs, a few real loops, a schedule.
+
+  speculative-t5x-calibrate --output_dir /tmp/calibration            (test captions, greedy)
+  speculative-t5x-calibrate --input_file my_inputs.txt --batch_sizes 1,16 --temperature 1
+  (or python -m speculative_t5x.calibrate ...)
+
+For each batch size, on the first --sentences inputs (one per line of --input_file, or
+Multi30k's test captions): the target's cached step for 1..max_gamma+1 tokens per row, the
+draft's and the encoders, each in isolation (`probes`), and the real decode loops of
+--fit_gammas (the target alone and two speculative gammas by default), all timed in the same
+round-robin rounds; from them the `costs.StepCosts` model of every gamma, its overheads fitted
+to the loops, and the acceptance the loops counted; the gamma it predicts fastest is the batch
+size's entry in the schedule. --check times every other gamma's loop with them and reports the
+model's error on each (the other gammas are not used for the fit).
+
+Writes to --output_dir:
+  calibration.json   the figures: step costs, fitted overheads, acceptance, predicted (and with
+                     --check measured) ms per output position per gamma, the schedule
+  calibration.md     the same as tables
+  t5x_schedule.gin   for `python -m t5x.infer` with gin_configs/t5x/*: binds
+                     SpeculativeEncoderDecoderModel.gamma_schedule (T5X traces predict_batch at
+                     a static batch size; the adapter takes that size's entry)
+  infer_schedule.gin for speculative-t5x-infer: binds infer_script.infer.calibration to
+                     calibration.json (with gamma 'auto' the job's policy starts from the
+                     batch size's entry, follows its model, and keeps timing as a check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speculative_t5x import costs
+from speculative_t5x import data
+from speculative_t5x import network
+from speculative_t5x import pipeline
+from speculative_t5x import policy
+
+OUTPUT_LENGTH = 64
+PROBE_ROUNDS = 7  # rounds of the step probes (cheap; their first round compiles and is dropped)
+LOOP_ROUNDS = 5
+# Each probe call runs many steps (encodes): one short call per round is too noisy a sample
+# beside loops of seconds.
+ENCODE_REPEATS = 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Step costs, each step in isolation.
+
+
+def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8,
+               input_length: int = 20, output_length: int = OUTPUT_LENGTH
+               ) -> Tuple[network.Transformer, Dict[str, Any], network.DecoderCache]:
+  """(module, variables, cache) of `name`'s cached decoder over a random `input_length`-token
+  input, the cache (`output_length` positions) holding `position` tokens; variables include
+  the decode-time layouts."""
+  config = pair.configs[name]
+  module = network.Transformer(config)
+  variables = {'params': pair.params[name],
+               network.DECODE_COLLECTION: pair.params['decode'][name]}
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, input_length), 3, config.vocab_size)
+
+  @jax.jit
+  def empty_cache(params, tokens):  # jitted: op by op, the encoder alone takes seconds
+    encoded = module.apply({'params': params}, tokens, method=network.Transformer.encode)
+    return module.apply({'params': params}, encoded, tokens, output_length,
+                        method=network.Transformer.init_cache)
+
+  cache = empty_cache(pair.params[name], tokens)
+  return module, variables, cache.with_index(jnp.full((batch,), position, jnp.int32))
+
+
+def step_loop(pair: pipeline.Pair, name: str, batch: int, k: int, steps_per_call: int = 16,
+              shapes: Tuple[int, int] = (20, OUTPUT_LENGTH)
+              ) -> Tuple[Callable[[], jax.Array], Any]:
+  """(call, compiled) of `steps_per_call` cached decode steps of `name` ('target' or 'draft')
+  appending k tokens per row, as the decode loops run them: in one jitted `fori_loop` carrying
+  the cache (each step's index stays put, and depends on its logits so that nothing is dead
+  code), over an input of shapes[0] tokens with a cache of shapes[1] positions. `compiled` is
+  the compiled program (for its HLO)."""
+  module, variables, cache = step_setup(pair, name, batch, input_length=shapes[0],
+                                        output_length=shapes[1])
+
+  def steps(variables, cache):
+    def body(_, cache):
+      logits, new_cache = module.apply(variables, jnp.full((batch, k), 5, jnp.int32), cache,
+                                       method=network.Transformer.decode_step)
+      return new_cache.with_index(cache.index + (jnp.argmax(logits[:, -1], axis=-1) < 0))
+    return jax.lax.fori_loop(0, steps_per_call, body, cache).index
+
+  compiled = jax.jit(steps).lower(variables, cache).compile()
+  return functools.partial(compiled, variables, cache), compiled
+
+
+def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
+                  rounds: int = PROBE_ROUNDS, steps_per_call: int = 16,
+                  shapes: Tuple[int, int] = (20, OUTPUT_LENGTH)) -> Dict[int, float]:
+  """Median ms of one cached decode step of `name` ('target' or 'draft') appending k tokens per
+  row, for k in chunk_sizes, timed inside a loop (`step_loop`).
+
+  A step jitted alone would add a dispatch (~0.3-1 ms on a CPU) that the loops do not pay and
+  hide how the step grows with k. The sizes take turns in each round.
+  """
+  loops = {k: step_loop(pair, name, batch, k, steps_per_call, shapes)[0]
+           for k in sorted(set(chunk_sizes))}
+  times = policy.round_robin(loops, rounds + 1)  # the first round warms up
+  return {k: 1e3 * float(np.median(t[1:])) / steps_per_call for k, t in times.items()}
+
+
+def encode_call(pair: pipeline.Pair, batch_size: int, width: int,
+                output_length: int = OUTPUT_LENGTH) -> Callable[[], Any]:
+  """What a batch runs once, compiled: both encoders over [batch_size, width] inputs and their
+  decoder caches, in one jitted call."""
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, width), 3,
+                              pair.configs['target'].vocab_size)
+
+  def start(params, tokens):
+    caches = []
+    for name in ('target', 'draft'):
+      module = network.Transformer(pair.configs[name])
+      encoded = module.apply({'params': params[name]}, tokens, method=network.Transformer.encode)
+      caches.append(module.apply({'params': params[name]}, encoded, tokens, output_length,
+                                 method=network.Transformer.init_cache))
+    return caches
+
+  return functools.partial(jax.jit(start).lower(pair.params, tokens).compile(), pair.params,
+                           tokens)
+
+
+def probes(pair: pipeline.Pair, batch_size: int, max_gamma: int, width: int,
+           steps_per_call: int = 64) -> Dict[Tuple[str, int], Tuple[Callable[[], Any], int]]:
+  """The model's isolated costs as calls to time: {(part, k): (call, steps per call)}: the
+  target's step for k = 1..max_gamma+1 tokens per row, the draft's for 1 and 2, the encoders
+  ('encode', 0)."""
+  out = {('target', k): (step_loop(pair, 'target', batch_size, k, steps_per_call)[0],
+                         steps_per_call) for k in range(1, max_gamma + 2)}
+  out.update({('draft', k): (step_loop(pair, 'draft', batch_size, k, steps_per_call)[0],
+                             steps_per_call) for k in (1, 2)})
+  encode = encode_call(pair, batch_size, width)
+  out['encode', 0] = (lambda: [encode() for _ in range(ENCODE_REPEATS)]), ENCODE_REPEATS
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Real loops.
+
+
+def _decoder(gamma: int, temperature: float) -> Tuple[str, Dict[str, Any]]:
+  if gamma == 0:
+    return 'target', {'temperature': temperature}
+  return 'speculative', {'gamma': gamma, 'temperature': temperature}
+
+
+def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
+            gammas: Sequence[int], temperature: float, max_gamma: int, rounds: int = LOOP_ROUNDS
+            ) -> Tuple[costs.StepCosts, List[costs.LoopRun]]:
+  """The isolated step costs (overheads not yet fitted) and each gamma's real decode of
+  `texts`, all timed in the same round-robin rounds (the machine's speed drifts between
+  minutes by more than the differences sought): a loop's median wall ms, and the loop
+  iterations and output positions it counted."""
+  widths = [b['encoder_input_tokens'].shape[1] for b in pipe.batches(texts)]
+  calls = probes(pair, pipe.batch_size, max_gamma, int(np.median(widths)))
+  passes = {}
+  for g in gammas:
+    name, kwargs = _decoder(g, temperature)
+    pipe.compile(texts, name, **kwargs)
+    passes['loop', g] = functools.partial(pipe.decode, texts, name, **kwargs)
+  decoded = {key: one_pass() for key, one_pass in passes.items()}  # warm, and the counts
+  times = policy.round_robin({**{k: c for k, (c, _) in calls.items()}, **passes}, rounds + 1)
+  ms = {key: 1e3 * float(np.median(t[1:])) / (calls[key][1] if key in calls else 1)
+        for key, t in times.items()}  # the first round warms up
+  part_ms = lambda name: {k: v for (part, k), v in ms.items() if part == name}
+  model = costs.StepCosts(pipe.batch_size, part_ms('target'), part_ms('draft'),
+                          batch_ms=ms['encode', 0])
+  return model, [costs.LoopRun(g, ms=ms['loop', g], **_counts(decoded['loop', g],
+                                                             pipe.batch_size)) for g in gammas]
+
+
+def _counts(decoded: pipeline.Decoded, batch_size: int) -> Dict[str, int]:
+  """The batches, loop iterations and output positions of a decode: per batch its most target
+  calls of a row (the target alone, which counts none: one iteration per position) and its
+  longest output, summed."""
+  out = dict(batches=0, iterations=0, positions=0)
+  for start in range(0, len(decoded.tokens), batch_size):
+    rows = slice(start, start + batch_size)
+    positions = policy.output_positions(decoded.tokens[rows])
+    out['batches'] += 1
+    out['positions'] += positions
+    out['iterations'] += (int(np.max(decoded.stats['target_calls'][rows]))
+                          if decoded.stats else positions)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# One batch size, the schedule, the files.
+
+
+def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, *,
+                         temperature: float, max_gamma: int, fit_gammas: Sequence[int],
+                         check: bool, rounds: int = LOOP_ROUNDS) -> Dict[str, Any]:
+  """The model of `batch_size` fitted on `texts` (its --fit_gammas loops; with `check` every
+  gamma's loop is timed with them and the model's error on each reported): its figures and
+  the gamma it predicts best."""
+  pipe = pipeline.Pipeline(pair, batch_size=batch_size, max_output_length=OUTPUT_LENGTH)
+  gammas = range(max_gamma + 1) if check else sorted(set(fit_gammas))
+  model, runs = measure(pair, pipe, texts, gammas, temperature, max_gamma, rounds)
+  fitted_on = [r for r in runs if r.gamma in fit_gammas]
+  model, alpha = costs.fit(model, fitted_on), costs.pooled_alpha(fitted_on)
+  positions = sum(r.positions for r in runs) / sum(r.batches for r in runs)  # per batch
+  predicted = {g: model.ms_per_position(g, alpha, positions) for g in range(max_gamma + 1)}
+  out = dict(costs=model.to_json(), alpha=alpha, positions_per_batch=positions,
+             predicted_ms_per_position=predicted, best=model.best(alpha),
+             fit_gammas=sorted(set(fit_gammas)), runs=[dataclasses.asdict(r) for r in runs])
+  if check:
+    out['check'] = costs.check(model, runs, alpha)
+  return out
+
+
+def schedule_gin(schedule: costs.Schedule, binding: str, header: Sequence[str],
+                 imports: Sequence[str] = ()) -> str:
+  """A gin file binding `binding` to the schedule ({batch size: gamma})."""
+  entries = ', '.join(f'{b}: {g}' for b, g in sorted(schedule.items()))
+  return '\n'.join([f'# {line}' for line in header] + list(imports) +
+                   [f'{binding} = {{{entries}}}', ''])
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+  """calibration.md: per batch size, the model's prediction of each gamma beside what its loop
+  measured (where timed), and the fitted costs."""
+  lines = ['# Calibration', '', f"Command: `{results['command']}`", '',
+           f"Devices: {results.get('devices', '')}; temperature {results.get('temperature')}.", '',
+           'ms per output position of each gamma: predicted by the model (step costs measured in '
+           'isolation, overheads fitted to the loops of the fit gammas) and measured (the real '
+           'loop, timed in the same rounds); tokens per loop iteration as counted.', '']
+  for batch_size, block in results['batch_sizes'].items():
+    c, check = block['costs'], block.get('check', {})
+    runs = {r['gamma']: r for r in block.get('runs', [])}
+    lines += [f"## Batch {batch_size}: alpha (effective) {block['alpha']:.3f}, best gamma "
+              f"{block['best']}, fitted on gammas {block.get('fit_gammas')}", '',
+              '| gamma | predicted | measured | error | tokens/iteration |', '|---|---|---|---|---|']
+    for g, predicted in sorted(block['predicted_ms_per_position'].items(), key=lambda x: int(x[0])):
+      row, run = check.get(int(g), check.get(str(g), {})), runs.get(int(g))
+      lines.append(f"| {g} | {predicted:.3f} | {row.get('measured', float('nan')):.3f} | "
+                   f"{row.get('error', float('nan')):+.1%} | " +
+                   (f"{run['positions'] / max(run['iterations'], 1):.2f} |" if run else ' |'))
+    lines += ['', 'Costs (ms): target step by tokens per row ' + ', '.join(
+        f'{k}: {v:.3f}' for k, v in c['target_ms'].items()) + '; draft ' + ', '.join(
+        f'{k}: {v:.3f}' for k, v in c['draft_ms'].items()) +
+        f"; encoders per batch {c['batch_ms']:.3f}; loop overhead per iteration: target alone "
+        f"{c['plain_overhead_ms']:.3f}, speculative {c['overhead_ms']:.3f} + "
+        f"{c['overhead_per_token_ms']:.3f} per draft token.", '']
+  return '\n'.join(lines)
+
+
+def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]:
+  """calibration.json, calibration.md and the two schedule gin files (module docstring)."""
+  output_dir.mkdir(parents=True, exist_ok=True)
+  schedule = {int(b): r['best'] for b, r in results['batch_sizes'].items()}
+  header = [f'Written by: {command}', 'Batch size -> gamma, predicted fastest by the model in '
+            'calibration.json (gamma 0: the target alone).']
+  files = {
+      'calibration.json': json.dumps({**results, 'schedule': schedule}, indent=1, default=float),
+      'calibration.md': markdown(results),
+      't5x_schedule.gin': schedule_gin(
+          schedule, 't5x_adapter.SpeculativeEncoderDecoderModel.gamma_schedule',
+          header + ['After a file binding MODEL to that class (gin_configs/t5x/multi30k_pair.gin).'],
+          ['from __gin__ import dynamic_registration', 'from speculative_t5x import t5x_adapter',
+           '']),
+      'infer_schedule.gin': '\n'.join(
+          [f'# {line}' for line in header] +
+          [f"infer_script.infer.calibration = '{(output_dir / 'calibration.json').resolve()}'",
+           '']),
+  }
+  for name, text in files.items():
+    (output_dir / name).write_text(text)
+  return [output_dir / name for name in files]
+
+
+def _parse_ints(spec: str, flag: str) -> List[int]:
+  try:
+    values = [int(v) for v in spec.split(',') if v.strip()]
+  except ValueError:
+    raise SystemExit(f'error: {flag} wants integers like 1,8, got {spec!r}') from None
+  if not values or min(values) < 0:
+    raise SystemExit(f'error: {flag} wants non-negative integers like 1,8, got {spec!r}')
+  return values
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--output_dir', required=True, help='where the three files are written')
+  p.add_argument('--input_file', default=None,
+                 help="the job's inputs, one per line (default: Multi30k's test captions from "
+                      f'--data_dir / ${data.DATA_ENV_VAR})')
+  p.add_argument('--data_dir', default=None, help='folder holding multi30k/')
+  p.add_argument('--batch_sizes', default='1,8,32', help='batch sizes to calibrate')
+  p.add_argument('--sentences', type=int, default=64,
+                 help='inputs per batch size (at least 4 batches: more are taken if needed)')
+  p.add_argument('--temperature', type=float, default=0.0, help='the job\'s temperature')
+  p.add_argument('--max_gamma', type=int, default=policy.MAX_GAMMA)
+  p.add_argument('--fit_gammas', default=None,
+                 help='gammas whose real loops fit the model (default: 0, 1 and max_gamma)')
+  p.add_argument('--check', action='store_true',
+                 help="also time every other gamma and report the model's error on each")
+  p.add_argument('--rounds', type=int, default=LOOP_ROUNDS, help='timed round-robin rounds')
+  p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
+  p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
+  args = p.parse_args(argv)
+  args.batch_sizes = _parse_ints(args.batch_sizes, '--batch_sizes')
+  if min(args.batch_sizes) < 1:
+    p.error(f'--batch_sizes must be >= 1, got {args.batch_sizes}')
+  if args.max_gamma < 1 or args.sentences < 1 or args.rounds < 1:
+    p.error('--max_gamma, --sentences and --rounds must be >= 1')
+  args.fit_gammas = (_parse_ints(args.fit_gammas, '--fit_gammas') if args.fit_gammas else
+                     [0, 1, args.max_gamma])
+  if 0 not in args.fit_gammas or max(args.fit_gammas) > args.max_gamma or len(
+      set(args.fit_gammas)) < 2:
+    p.error(f'--fit_gammas needs 0 and a speculative gamma <= --max_gamma, got '
+            f'{args.fit_gammas}')
+  return args
+
+
+def read_inputs(args: argparse.Namespace) -> List[str]:
+  if args.input_file is None:
+    try:
+      return data.load_split('test', data_dir=args.data_dir)[0]
+    except FileNotFoundError as e:
+      raise SystemExit(f'error: no --input_file and Multi30k not found ({e}); pass '
+                       f'--input_file, --data_dir or set {data.DATA_ENV_VAR}') from None
+  try:
+    lines = Path(args.input_file).read_text(encoding='utf-8').splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise SystemExit(f'error: cannot read --input_file {args.input_file}: {e}') from None
+  lines = [line for line in lines if line.strip()]
+  if not lines:
+    raise SystemExit(f'error: --input_file {args.input_file} has no non-empty line')
+  return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  args = parse_args(argv)
+  texts = read_inputs(args)
+  pair = pipeline.load_pair(args.target, args.draft)
+  results = {'command': ' '.join(['speculative-t5x-calibrate'] + list(
+      sys.argv[1:] if argv is None else argv)), 'temperature': args.temperature,
+             'devices': str(jax.devices()), 'batch_sizes': {}}
+  for batch_size in args.batch_sizes:
+    sample = (texts * (4 * batch_size))[:max(args.sentences, 4 * batch_size)]
+    print(f'batch {batch_size}: step costs, then gammas {args.fit_gammas} on {len(sample)} '
+          'inputs...', file=sys.stderr, flush=True)
+    block = calibrate_batch_size(pair, sample, batch_size, temperature=args.temperature,
+                                 max_gamma=args.max_gamma, fit_gammas=args.fit_gammas,
+                                 check=args.check, rounds=args.rounds)
+    results['batch_sizes'][batch_size] = block
+    errors = ', '.join(f"gamma {g}: {c['error']:+.1%}" for g, c in block.get('check', {}).items())
+    print(f"batch {batch_size}: alpha {block['alpha']:.3f}, best gamma {block['best']}, "
+          f"predicted ms/position " + ', '.join(
+              f'{g}: {v:.3f}' for g, v in block['predicted_ms_per_position'].items()) +
+          (f'; model error {errors}' if errors else ''), flush=True)
+  for path in write(Path(args.output_dir), results, results['command']):
+    print(path)
+  return results
+
+
+def run() -> None:
+  """The console script: main() without its return value (which would be the exit status)."""
+  main()
+
+
+if __name__ == '__main__':
+  run()

@@ -1,0 +1,213 @@
+"""The cost model of gamma (`costs`), the schedule it writes and where a schedule is read.
+
+Costs and acceptance are injected: what is checked is the model's arithmetic and choices, never
+how fast anything ran.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from speculative_t5x import calibrate
+from speculative_t5x import costs
+from speculative_t5x import decoding
+from speculative_t5x import models
+from speculative_t5x import policy
+from conftest import tiny_config
+
+# Shaped like the embedded pair at batch 1 on this CPU (results/cpu/policy.md): a 1-token target
+# step 1.24 ms, the verify step growing slowly with its tokens, a draft step a tenth of it.
+TARGET_MS = {1: 1.24, 2: 1.67, 3: 1.91, 4: 2.00, 5: 1.96}
+DRAFT_MS = {1: 0.12, 2: 0.14}
+
+
+def model(**overrides) -> costs.StepCosts:
+  values = dict(batch_size=1, target_ms=TARGET_MS, draft_ms=DRAFT_MS, batch_ms=2.0,
+                plain_overhead_ms=0.1, overhead_ms=0.3, overhead_per_token_ms=0.05)
+  values.update(overrides)
+  return costs.StepCosts(**values)
+
+
+def test_expected_tokens_is_the_papers_formula():
+  assert costs.expected_tokens(0.0, 4) == 1.0
+  assert costs.expected_tokens(1.0, 3) == 4.0
+  assert costs.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize('alpha,gamma', [(0.3, 1), (0.55, 3), (0.87, 4), (0.99, 2)])
+def test_effective_alpha_inverts_expected_tokens(alpha, gamma):
+  assert costs.effective_alpha(costs.expected_tokens(alpha, gamma), gamma) == pytest.approx(
+      alpha, abs=1e-6)
+  assert costs.effective_alpha(0.5, gamma) == pytest.approx(0.0, abs=1e-6)  # clipped
+  assert costs.effective_alpha(gamma + 3.0, gamma) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_iteration_cost_is_the_steps_and_overheads():
+  m = model()
+  assert m.iteration_ms(0) == pytest.approx(1.24 + 0.1)
+  # A draft phase's first call feeds 2 tokens, then gamma - 1 one-token calls, then the verify.
+  assert m.iteration_ms(3) == pytest.approx(0.14 + 2 * 0.12 + 2.00 + 0.3 + 3 * 0.05)
+  assert m.ms_per_position(3, 0.8) == pytest.approx(m.iteration_ms(3) /
+                                                    costs.expected_tokens(0.8, 3))
+  assert m.ms_per_position(0, 0.8, positions=10) == pytest.approx(m.iteration_ms(0) + 0.2)
+  with pytest.raises(ValueError, match='6-token target step'):
+    m.steps_ms(5)
+
+
+def test_picks_the_target_alone_when_verify_calls_are_expensive():
+  cheap = model()
+  assert cheap.best(0.87) > 0
+  expensive = model(target_ms={k: 1.24 * k for k in TARGET_MS})  # arithmetic-bound verifies
+  assert expensive.best(0.87) == 0
+  assert model(overhead_ms=5.0).best(0.87) == 0  # a loop whose bookkeeping costs more
+
+
+def test_picks_a_larger_gamma_when_alpha_rises():
+  m = model()
+  picks = [m.best(alpha) for alpha in (0.2, 0.55, 0.75, 0.87, 0.97)]
+  assert picks == sorted(picks) and picks[0] < picks[-1], picks
+  assert picks[0] == 0 and picks[-1] == m.max_gamma
+
+
+def synthetic_runs(truth: costs.StepCosts, alpha: float, gammas, batches: int = 6,
+                   positions: int = 120):
+  """LoopRuns exactly as `truth` would time them at acceptance `alpha`."""
+  runs = []
+  for g in gammas:
+    iterations = positions if g == 0 else int(round(positions / costs.expected_tokens(alpha, g)))
+    ms = batches * truth.batch_ms + iterations * truth.iteration_ms(g)
+    runs.append(costs.LoopRun(g, batches=batches, ms=ms, iterations=iterations,
+                              positions=positions))
+  return runs
+
+
+def test_fit_recovers_the_overheads_and_predicts_the_other_gammas():
+  truth = model()
+  # batch_ms is measured (the encoders, in isolation); the loops' overheads are fitted.
+  fitted = costs.fit(model(plain_overhead_ms=0.0, overhead_ms=0.0, overhead_per_token_ms=0.0),
+                     synthetic_runs(truth, 0.8, (0, 1, 4)))
+  for name in ('plain_overhead_ms', 'overhead_ms', 'overhead_per_token_ms'):
+    assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+  runs = synthetic_runs(truth, 0.8, range(5))
+  alpha = costs.pooled_alpha(runs)
+  assert alpha == pytest.approx(0.8, abs=0.01)
+  errors = {g: c['error'] for g, c in costs.check(fitted, runs, alpha).items()}
+  assert max(abs(e) for e in errors.values()) < 0.02, errors
+  with pytest.raises(ValueError, match='gamma 0'):
+    costs.fit(truth, synthetic_runs(truth, 0.8, (1, 2)))
+
+
+def test_step_costs_round_trip_through_json():
+  m = model()
+  assert costs.StepCosts.from_json(json.loads(json.dumps(m.to_json()))) == m
+
+
+def test_schedule_lookup_and_parsing():
+  schedule = costs.parse_schedule({'1': 4, 8: '2', 32: 0})
+  assert schedule == {1: 4, 8: 2, 32: 0}
+  assert [costs.scheduled(schedule, b) for b in (1, 2, 3, 8, 16, 20, 64)] == [4, 4, 2, 2, 2, 0, 0]
+  assert costs.scheduled({}, 8) is None
+  with pytest.raises(ValueError, match="entry 'x'"):
+    costs.parse_schedule({'x': 1})
+  with pytest.raises(ValueError, match='batch size must be >= 1'):
+    costs.parse_schedule({0: 1})
+
+
+def test_plan_starts_auto_at_the_scheduled_gamma():
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1,
+                                    decode_kwargs={'gamma': 'auto', 'temperature': 0.0})
+  kwargs = {'gamma': 'auto', 'temperature': 0.0}
+  calibration = costs.Calibration({1: 4, 8: 9, 32: 0}, {})
+  assert policy.plan(pair, kwargs)[0].fallback == policy.FALLBACK_GAMMA
+  starts = [policy.plan(pair, kwargs, calibration=calibration, batch_size=b)[0].fallback
+            for b in (1, 2, 8, 32, 64)]
+  assert starts == [4, 4, policy.MAX_GAMMA, 0, 0]
+
+
+def test_speculative_sample_at_gamma_0_is_the_target_alone():
+  from conftest import random_model, start_decoding, ragged_tokens  # pylint: disable=g-import-not-at-top
+  module, params = random_model(tiny_config(), seed=3)
+  inputs = ragged_tokens(jax.random.PRNGKey(0), 3, 8, 64)
+  cache, fn = start_decoding(module, params, inputs, 10)
+  prompt = np.zeros((3, 10), np.int32)
+  ours = decoding.speculative_sample(prompt, cache, fn, cache, fn, eos_id=1, gamma=0,
+                                     temperature=0.0)
+  alone = decoding.temperature_sample(prompt, cache, fn, eos_id=1, temperature=0.0, topk=0)
+  np.testing.assert_array_equal(ours[0], alone[0])
+  with pytest.raises(ValueError, match='gamma must be >= 0'):
+    decoding.speculative_sample(prompt, cache, fn, cache, fn, eos_id=1, gamma=-1)
+
+
+def test_calibrate_writes_a_schedule_for_t5x_and_for_the_infer_job(tmp_path):
+  block = {'alpha': 0.8, 'costs': model().to_json(), 'predicted_ms_per_position': {0: 1.5, 1: 1.2},
+           'check': {0: {'measured': 1.5, 'error': 0.0}}}
+  results = {'command': 'speculative-t5x-calibrate --output_dir x', 'batch_sizes': {
+      1: {**block, 'best': 4}, 8: {**block, 'best': 2}, 32: {**block, 'best': 0}}}
+  paths = calibrate.write(tmp_path, results, results['command'])
+  assert [p.name for p in paths] == ['calibration.json', 'calibration.md', 't5x_schedule.gin',
+                                     'infer_schedule.gin']
+  assert json.loads(paths[0].read_text())['schedule'] == {'1': 4, '8': 2, '32': 0}
+  t5x = paths[2].read_text()
+  assert 'from speculative_t5x import t5x_adapter' in t5x
+  assert ('t5x_adapter.SpeculativeEncoderDecoderModel.gamma_schedule = {1: 4, 8: 2, 32: 0}'
+          in t5x)
+  assert (f"infer_script.infer.calibration = '{paths[0].resolve()}'" in
+          paths[3].read_text())
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--batch_sizes', '1,x'], '--batch_sizes wants integers'),
+    (['--batch_sizes', '0'], '--batch_sizes must be >= 1'),
+    (['--fit_gammas', '1,2'], '--fit_gammas needs 0'),
+    (['--fit_gammas', '0,9'], '--fit_gammas needs 0'),
+])
+def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    calibrate.parse_args(['--output_dir', str(tmp_path)] + argv)
+  assert message in str(exit_info.value) + capsys.readouterr().err
+
+
+def run_job(decoding_policy, alphas, positions=12):
+  """Drives a policy over batches whose acceptance is alphas[i] for batch i, each batch's
+  counts and time as the model has them; returns the choices, in order."""
+  chosen = []
+  for alpha in alphas:
+    gamma = decoding_policy.choose()
+    iterations = positions if gamma == 0 else max(
+        1, int(round(positions / costs.expected_tokens(alpha, gamma))))
+    ms = decoding_policy.model.ms_per_position(gamma, alpha, positions) * positions
+    decodes = np.zeros((1, 32), np.int32)
+    decodes[0, :positions] = 5
+    stats = None if gamma == 0 else {'target_calls': np.array([iterations])}
+    decoding_policy.observe(gamma, ms / 1e3, decodes, stats)
+    chosen.append(gamma)
+  return chosen
+
+
+def test_the_policy_follows_the_models_pick_and_a_change_of_alpha():
+  kwargs = {'gamma': 'auto', 'temperature': 0.0}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
+  calibration = costs.Calibration({1: 2}, {1: model()})
+  decoding_policy, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
+  assert decoding_policy.fallback == 2 and decoding_policy.model == model()
+  # A draft that agrees often: the model's pick is the largest gamma, tried right after the
+  # first batch counted it (the timing search alone walks there one neighbour at a time).
+  chosen = run_job(decoding_policy, [0.95] * 12)
+  assert chosen[:2] == [2, model().best(0.95)] == [2, 4], chosen
+  assert decoding_policy.best() == 4, chosen
+  # Acceptance drops mid-job: once the window's counts say so, the model's new pick runs, and
+  # the timing confirms it.
+  chosen = run_job(decoding_policy, [0.2] * 40)
+  assert model().best(0.2) == 0 and 0 in chosen and decoding_policy.best() == 0, chosen
+  assert decoding_policy.summary()['model']['predicted_best'] == 0
+
+
+def test_a_model_without_counts_leaves_the_timing_search_alone():
+  kwargs = {'gamma': 'auto', 'temperature': 1.0}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
+  decoding_policy, _ = policy.plan(pair, kwargs, calibration=costs.Calibration({}, {}),
+                                   batch_size=8)
+  assert decoding_policy.fallback == 0 and decoding_policy.model is None
+  assert decoding_policy.predicted() is None and 'model' not in decoding_policy.summary()
