@@ -334,18 +334,22 @@ class Compiled:
 
 def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch], *,
                     decode_overrides: Optional[Mapping[str, Any]] = None,
-                    eos_id: Optional[int] = None, seed: int = 0) -> Compiled:
+                    eos_id: Optional[int] = None, seed: int = 0,
+                    calibration: Optional[costs.Calibration] = None) -> Compiled:
   """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (under
   'auto' every choice `policy.plan` gives, chosen per batch as the infer job does).
   decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id: replaces the
-  vocabulary's (-1: no row stops early)."""
+  vocabulary's (-1: no row stops early); calibration: speculative-t5x-calibrate's, for the
+  batches' size (`policy.plan`: where 'auto' starts and the model it follows)."""
   decode_fn, kwargs = setting.decoder()
   kwargs = {**kwargs, **(decode_overrides or {})}
   model = pair.model(decode_fn, kwargs)
   if eos_id is not None:
     model = copy.copy(model)
     model.eos_id = model.draft_eos_id = eos_id
-  decoding_policy, decoders = policy.plan(model, kwargs)
+  decoding_policy, decoders = policy.plan(
+      model, kwargs, calibration=calibration,
+      batch_size=len(batches[0]['encoder_input_tokens']) if batches else None)
   predictor = pipeline.Predictor(decoders, pair.params, partitioner(),
                                  num_decodes=max(setting.beam, 1))
   rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]

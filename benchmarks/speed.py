@@ -49,6 +49,7 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.harness import Setting
+from speculative_t5x import costs
 from speculative_t5x import data
 from speculative_t5x import pipeline
 from speculative_t5x import policy
@@ -102,9 +103,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
   p.add_argument('--hf_gammas', default='4', help='constant HF assistant lengths to run')
   p.add_argument('--hf_threads', type=int, default=1,
                  help="PyTorch's intra-op threads for HF generation (0: one per CPU)")
+  p.add_argument('--calibration', default=None,
+                 help="a calibration.json of speculative-t5x-calibrate at temperature 0: the "
+                      "greedy gamma='auto' rows start at its schedule and follow its model")
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
+  try:
+    args.calibration = args.calibration and costs.load_calibration(args.calibration)
+  except ValueError as e:
+    raise SystemExit(f'error: --calibration: {e}') from None
   try:
     bild = ([(f, r) for f in BILD_FALLBACKS for r in BILD_ROLLBACKS] if args.bild == 'grid' else
             [tuple(float(v) for v in pair.split(':')) for pair in args.bild.split(',') if pair])
@@ -200,11 +208,14 @@ def step_probes(pair: pipeline.Pair, batch_size: int, settings: Sequence[Setting
 
 
 def compile_all(pair: pipeline.Pair, settings: Sequence[Setting], batches: List[Any],
-                batch_size: int) -> Dict[Setting, harness.Compiled]:
-  """Every setting compiled (every gamma of gamma='auto' too) before anything is timed."""
+                batch_size: int, calibration: Optional[costs.Calibration] = None
+                ) -> Dict[Setting, harness.Compiled]:
+  """Every setting compiled (every gamma of gamma='auto' too) before anything is timed;
+  calibration (greedy's) goes to the greedy settings."""
   compiled = {}
   for s in settings:
-    compiled[s] = harness.compile_setting(s, pair, batches)
+    compiled[s] = harness.compile_setting(s, pair, batches,
+                                          calibration=None if s.temperature else calibration)
     print(f"batch {batch_size} {s.name}: compiled in {compiled[s].info()['compile_s']:.1f}s",
           flush=True)
   return compiled
@@ -218,7 +229,7 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
                                  args.input_length_step)
   steps = step_probes(pair, batch_size, settings)
-  compiled = compile_all(pair, settings, batches, batch_size)
+  compiled = compile_all(pair, settings, batches, batch_size, args.calibration)
   passes = {s: functools.partial(c.pieces, args.piece_batches) for s, c in compiled.items()}
   hf = {}
   if batch_size == 1 and args.hf and Setting('baseline') in passes:

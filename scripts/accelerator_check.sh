@@ -8,8 +8,11 @@
 # keeps the environment as it is). What it writes: results/<machine>/accelerator.json and .md —
 # the target's and the draft's step times at T5 1.1 large and XL shapes beside their roofline
 # projection, and whole greedy loops (target alone, speculative at gamma 3 and 5) beside the
-# time their steps predict (random weights: nothing is downloaded). About 10 minutes on one
-# H100-class GPU. Extra arguments go to `python -m benchmarks.accelerator` (e.g. `--tiny
+# time their steps predict (random weights: nothing is downloaded); then, unless CALIBRATE=0,
+# `speculative-t5x-calibrate --check` on the embedded pair at batch 1, 8 and 32: this machine's
+# gamma schedule and the cost model's error on every gamma, in results/<machine>/calibration/
+# (needs the Multi30k test captions: SPECULATIVE_T5X_DATA or ../shared/data). About 15 minutes
+# on one H100-class GPU. Extra arguments go to `python -m benchmarks.accelerator` (e.g. `--tiny
 # --machine cpu` runs its smallest setting on any machine, as the tests do).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,3 +28,7 @@ if [[ -z "${SKIP_INSTALL:-}" ]]; then
 fi
 "${PYTHON:-python}" -c 'import jax; print("devices:", jax.devices())'
 "${PYTHON:-python}" -m benchmarks.accelerator --machine "$machine" "$@"
+if [[ "${CALIBRATE:-1}" != 0 ]]; then
+  "${PYTHON:-python}" -m speculative_t5x.calibrate --check --batch_sizes 1,8,32 \
+    --output_dir "results/$machine/calibration"
+fi

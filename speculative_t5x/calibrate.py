@@ -356,8 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
              'devices': str(jax.devices()), 'batch_sizes': {}}
   for batch_size in args.batch_sizes:
     sample = (texts * (4 * batch_size))[:max(args.sentences, 4 * batch_size)]
-    print(f'batch {batch_size}: step costs, then gammas {args.fit_gammas} on {len(sample)} '
-          'inputs...', file=sys.stderr, flush=True)
+    gammas = list(range(args.max_gamma + 1)) if args.check else sorted(set(args.fit_gammas))
+    print(f'batch {batch_size}: step costs, then gammas {gammas} on {len(sample)} inputs...',
+          file=sys.stderr, flush=True)
     block = calibrate_batch_size(pair, sample, batch_size, temperature=args.temperature,
                                  max_gamma=args.max_gamma, fit_gammas=args.fit_gammas,
                                  check=args.check, rounds=args.rounds)

@@ -24,6 +24,7 @@ from benchmarks import speed
 from benchmarks import verifiers
 from benchmarks import vs_ctranslate2
 from benchmarks import vs_t5x
+from speculative_t5x import calibrate
 from speculative_t5x import network
 from speculative_t5x import pipeline
 import conftest
@@ -101,6 +102,32 @@ def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert '2' in auto['gammas_used'] and set(auto['gammas_used']) <= {'0', '1', '2', '3', '4'}
   assert auto['policy']['fallback'] == 2 and auto['policy']['measured']
   assert '| speculative gamma=1 T=0 |' in (tmp_path / 'speed.md').read_text()
+
+
+def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: List[str],
+                                             small_pair: pipeline.Pair,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+  """speculative-t5x-calibrate end to end (step costs, every gamma's loop, the fit, the files),
+  then a benchmark whose 'auto' starts at the calibrated gamma and follows the model."""
+  monkeypatch.setattr(pipeline, 'load_pair', lambda *args, **kwargs: small_pair)
+  out = tmp_path / 'calibration'
+  results = calibrate.main(data_args + ['--output_dir', str(out), '--batch_sizes', '2',
+                                        '--sentences', '8', '--max_gamma', '2', '--rounds', '1',
+                                        '--check'])
+  block = results['batch_sizes'][2]
+  assert set(block['check']) == {0, 1, 2} and block['best'] in (0, 1, 2)
+  assert 0 < block['alpha'] <= 1 and all(r['positions'] > 0 for r in block['runs'])
+  assert {p.name for p in out.iterdir()} == {'calibration.json', 'calibration.md',
+                                             't5x_schedule.gin', 'infer_schedule.gin'}
+  speed.main(['--sentences', '2:4', '--rounds', '1'] + data_args + [
+      '--out_dir', str(tmp_path), '--gammas', 'auto', '--calibration',
+      str(out / 'calibration.json')])
+  auto = {r['name']: r for r in written(tmp_path, 'speed', 'Speed')['batches']['2']['rows']}[
+      'speculative gamma=auto T=0']
+  assert auto['same_as_baseline'] == 1.0
+  assert auto['policy']['fallback'] == block['best']
+  # The model predicts once a speculative batch has counted acceptance.
+  assert 'model' in auto['policy'] or set(auto['gammas_used']) == {'0'}
 
 
 def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:

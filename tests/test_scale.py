@@ -127,14 +127,16 @@ def test_t5x_side_is_skipped_cleanly_without_t5x(tmp_path: pathlib.Path):
 
 @pytest.fixture(scope='module')
 def accelerator_run(tmp_path_factory: pytest.TempPathFactory):
-  """scripts/accelerator_check.sh (no install) on tiny configs at batch 1 on this CPU, as a user
+  """scripts/accelerator_check.sh (no install; calibration off: the calibrate command is tested
+  in tests/test_benchmarks.py) on tiny configs at batch 1 on this CPU, as a user
   on an accelerator runs it: (results, markdown)."""
   out = tmp_path_factory.mktemp('accelerator')
   proc = subprocess.run(['bash', str(ROOT / 'scripts' / 'accelerator_check.sh'), '--tiny',
                          '--out_dir', str(out), '--batches', '1', '--gammas', '1', '--rounds',
                          '1', '--hardware', 'H100 SXM'], cwd=ROOT, capture_output=True,
                         text=True, timeout=600,
-                        env={**os.environ, 'SKIP_INSTALL': '1', 'PYTHON': sys.executable})
+                        env={**os.environ, 'SKIP_INSTALL': '1', 'CALIBRATE': '0',
+                             'PYTHON': sys.executable})
   assert proc.returncode == 0, proc.stderr[-2000:]
   return (json.loads((out / 'accelerator.json').read_text()),
           (out / 'accelerator.md').read_text())
