@@ -104,8 +104,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
   p.add_argument('--hf_threads', type=int, default=1,
                  help="PyTorch's intra-op threads for HF generation (0: one per CPU)")
   p.add_argument('--calibration', default=None,
-                 help="a calibration.json of speculative-t5x-calibrate at temperature 0: the "
-                      "greedy gamma='auto' rows start at its schedule and follow its model")
+                 help="a calibration.json of speculative-t5x-calibrate: gamma='auto' rows at its "
+                      "temperature start at its schedule and follow its model")
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
@@ -210,12 +210,11 @@ def step_probes(pair: pipeline.Pair, batch_size: int, settings: Sequence[Setting
 def compile_all(pair: pipeline.Pair, settings: Sequence[Setting], batches: List[Any],
                 batch_size: int, calibration: Optional[costs.Calibration] = None
                 ) -> Dict[Setting, harness.Compiled]:
-  """Every setting compiled (every gamma of gamma='auto' too) before anything is timed;
-  calibration (greedy's) goes to the greedy settings."""
+  """Every setting compiled (every gamma of gamma='auto' too) before anything is timed
+  (gamma='auto' from `calibration` where it was made at the setting's temperature)."""
   compiled = {}
   for s in settings:
-    compiled[s] = harness.compile_setting(s, pair, batches,
-                                          calibration=None if s.temperature else calibration)
+    compiled[s] = harness.compile_setting(s, pair, batches, calibration=calibration)
     print(f"batch {batch_size} {s.name}: compiled in {compiled[s].info()['compile_s']:.1f}s",
           flush=True)
   return compiled

@@ -223,9 +223,16 @@ def parse_schedule(values: Mapping[Any, Any]) -> Dict[int, int]:
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   """What speculative-t5x-calibrate measured (its calibration.json): {batch size: gamma} and
-  {batch size: the fitted model}."""
+  {batch size: the fitted model}, at `temperature` (a sampling loop's overheads and acceptance
+  are not a greedy one's)."""
   schedule: Dict[int, int]
   models: Dict[int, StepCosts]
+  temperature: float = 0.0
+
+  def fits(self, temperature: Any) -> bool:
+    """Whether a job at `temperature` (a scalar or per row) was calibrated for: every row at
+    the calibrated temperature."""
+    return bool(np.all(np.asarray(temperature, np.float32) == np.float32(self.temperature)))
 
   def model(self, batch_size: int) -> Optional[StepCosts]:
     """The model of exactly this batch size (step costs do not carry to another)."""
@@ -238,7 +245,7 @@ def load_calibration(path: os.PathLike) -> Calibration:
     values = json.loads(open(path, encoding='utf-8').read())
     return Calibration(parse_schedule(values['schedule']), {
         int(b): StepCosts.from_json(block['costs'])
-        for b, block in values['batch_sizes'].items()})
+        for b, block in values['batch_sizes'].items()}, float(values.get('temperature', 0.0)))
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f'{path} is not a readable calibration.json from '
                      f'speculative-t5x-calibrate ({type(e).__name__}: {e})') from None

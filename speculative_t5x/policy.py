@@ -99,6 +99,13 @@ EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
 # A job's batches in flight beyond the one awaited (`DecodingPolicy.stream`).
 IN_FLIGHT = 2
+# With a calibrated model, a choice it predicts slower than the running one by more than
+# MODEL_SLACK (its error on gammas it was not fitted to was at most 5% here) is not explored
+# before the job's MODEL_TRUST-th batch: a short job does not pay to check what the model already
+# answers (at batch 32 a 192-sentence job is 6 batches, and one batch of the target alone cost it
+# 7%), and a long one still finds out when the model no longer holds.
+MODEL_SLACK = 0.08
+MODEL_TRUST = 64
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -193,8 +200,10 @@ class DecodingPolicy:
     which the infer job records it per example.
   clock: injectable for tests.
   model: the batch size's `costs.StepCosts` (speculative-t5x-calibrate's) for gamma choices:
-    the job's batches count their acceptance (`observe`'s stats), and a choice the model then
-    predicts fastest is tried next if it has not run yet; timing decides from there.
+    the job's batches count their acceptance (`observe`'s stats); the choice the model then
+    predicts fastest neighbours the running one (tried next if it has not run yet), choices it
+    predicts much slower are not explored early in the job (MODEL_SLACK), and timing decides
+    between the rest.
   """
 
   def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
@@ -270,6 +279,9 @@ class DecodingPolicy:
           out.append(self.choices[i + 2 * step])
     if self.choices[0] not in out + [self.current]:
       out.append(self.choices[0])
+    predicted = self.predicted()  # the model's pick neighbours every choice
+    if predicted is not None and predicted not in out + [self.current]:
+      out.append(predicted)
     return out
 
   def _sigma(self) -> float:
@@ -358,9 +370,9 @@ class DecodingPolicy:
     # Untried neighbours within the exploration budget; measured ones when their interval is
     # up (its doubling bounds what re-measuring costs: a neighbour's relative speed can only be
     # known to have changed by measuring it again).
-    due = [c for c in neighbours
-           if (self.batches - self.records[c].last >= self.records[c].interval
-               if self.records[c].count else self._affordable(c))]
+    due = [c for c in neighbours if not self._ruled_out(c) and
+           (self.batches - self.records[c].last >= self.records[c].interval
+            if self.records[c].count else self._affordable(c))]
     if due:  # untried neighbours first (the local search; the more speculative first, where
       # greedy decoding gains most), then the longest unmeasured
       return min(due, key=lambda c: (self.records[c].last, -self.choices.index(c)))
@@ -375,6 +387,17 @@ class DecodingPolicy:
       index = multihost_utils.broadcast_one_to_all(np.int32(self.choices.index(choice)))
       choice = self.choices[int(index)]
     return choice
+
+  def _ruled_out(self, choice: Any) -> bool:
+    """Whether the model, early in the job, predicts `choice` slower than the running choice
+    by more than MODEL_SLACK (`MODEL_TRUST`)."""
+    alpha = self.alpha()
+    if (alpha is None or self.batches >= MODEL_TRUST or
+        max(choice, self.current) > self.model.max_gamma):
+      return False  # (alpha is None without a model)
+    positions = float(np.mean([p for _, _, p in self.counts]))  # per batch
+    predict = lambda c: self.model.ms_per_position(c, alpha, positions)
+    return predict(choice) > (1 + MODEL_SLACK) * predict(self.current)
 
   def observe(self, choice: Any, seconds: float, decodes: Any,
               stats: Optional[Mapping[str, Any]] = None) -> None:
@@ -508,14 +531,17 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   calibration (speculative-t5x-calibrate's) and the job's batch_size: under gamma='auto' the
   first batch runs the schedule's entry for batch_size (the nearest calibrated size's; else
   `fallback_gamma`), clipped to max_gamma, and the policy follows the batch size's model
-  (`DecodingPolicy`'s `model`) when the calibration has one.
+  (`DecodingPolicy`'s `model`) when the calibration has one; a calibration made at another
+  temperature than the job's is not used.
   policy_kwargs go to `DecodingPolicy` (window, explore_every, clock).
   """
   name = _name(model.decode_fn)
   if name == _name(decoding.speculative_sample) and decode_kwargs.get('gamma') == AUTO:
+    temperature = decode_kwargs.get('temperature', 1.0)
+    if calibration is not None and not calibration.fits(temperature):
+      calibration = None  # calibrated at another temperature: the timing search alone
     start = costs.scheduled(calibration.schedule, batch_size) if calibration else None
-    fallback = min(fallback_gamma(decode_kwargs.get('temperature', 1.0)) if start is None
-                   else start, max_gamma)
+    fallback = min(fallback_gamma(temperature) if start is None else start, max_gamma)
     if calibration is not None:
       policy_kwargs.setdefault('model', calibration.model(batch_size))
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, **policy_kwargs),

@@ -169,15 +169,16 @@ def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
   assert message in str(exit_info.value) + capsys.readouterr().err
 
 
-def run_job(decoding_policy, alphas, positions=12):
+def run_job(decoding_policy, alphas, positions=12, machine=None):
   """Drives a policy over batches whose acceptance is alphas[i] for batch i, each batch's
-  counts and time as the model has them; returns the choices, in order."""
+  counts and time as `machine` (default: the policy's model) has them; returns the choices, in
+  order."""
   chosen = []
   for alpha in alphas:
     gamma = decoding_policy.choose()
     iterations = positions if gamma == 0 else max(
         1, int(round(positions / costs.expected_tokens(alpha, gamma))))
-    ms = decoding_policy.model.ms_per_position(gamma, alpha, positions) * positions
+    ms = (machine or decoding_policy.model).ms_per_position(gamma, alpha, positions) * positions
     decodes = np.zeros((1, 32), np.int32)
     decodes[0, :positions] = 5
     stats = None if gamma == 0 else {'target_calls': np.array([iterations])}
@@ -211,3 +212,32 @@ def test_a_model_without_counts_leaves_the_timing_search_alone():
                                    batch_size=8)
   assert decoding_policy.fallback == 0 and decoding_policy.model is None
   assert decoding_policy.predicted() is None and 'model' not in decoding_policy.summary()
+
+
+def test_a_calibration_serves_only_jobs_at_its_temperature():
+  calibrated = {0.0: costs.Calibration({1: 4}, {1: model()}),
+                1.0: costs.Calibration({1: 1}, {1: model()}, temperature=1.0)}
+  for job, made_at, fallback, follows in ((0.0, 0.0, 4, True), (1.0, 0.0, 0, False),
+                                          (1.0, 1.0, 1, True), (0.0, 1.0, 2, False)):
+    kwargs = {'gamma': 'auto', 'temperature': job}
+    pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1,
+                                      decode_kwargs=kwargs)
+    decoding_policy, _ = policy.plan(pair, kwargs, calibration=calibrated[made_at], batch_size=1)
+    assert decoding_policy.fallback == fallback, (job, made_at)
+    assert (decoding_policy.model is not None) == follows, (job, made_at)
+  assert calibrated[1.0].fits(np.array([1.0, 1.0])) and not calibrated[1.0].fits([1.0, 0.7])
+
+
+def test_a_short_job_does_not_explore_what_the_model_rules_out():
+  kwargs = {'gamma': 'auto', 'temperature': 0.0}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
+  at = lambda g: model().ms_per_position(g, 0.95, 12)
+  assert at(0) > (1 + policy.MODEL_SLACK) * at(4)  # the target alone: predicted much slower
+  calibration = costs.Calibration({1: 4}, {1: model()})
+  guided, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
+  chosen = run_job(guided, [0.95] * policy.MODEL_TRUST)
+  assert 0 not in chosen[:-1] and guided.best() == 4, chosen
+  # Without the model the same job spends batches on the target alone (the plain decoder is
+  # exempt from the exploration budget).
+  blind = policy.DecodingPolicy(range(5), 'gamma', 4)
+  assert 0 in run_job(blind, [0.95] * policy.MODEL_TRUST, machine=model())
