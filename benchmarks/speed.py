@@ -5,8 +5,8 @@
   python -m benchmarks.speed --sampling_gammas 1,auto --bild 0.4:5 --beams 4:1,4:auto
   python -m benchmarks.speed --gammas '' --beams '4:8,4:4;2'
 
-The defaults are a short run (about 2 minutes on 2 CPU cores, most of it compiling): greedy
-target-only against speculative gamma 2, at batch 1 and 8 (32 and 64 captions). Everything
+The defaults are a short run (81 s on 2 CPU cores, a third of it compiling): greedy target-only
+against speculative gamma 2, at batch 1 and 8 (32 and 64 captions). Everything
 else is opt-in ('auto' compiles gammas 0-4, one loop each, a minute or more per batch size
 here); the runs behind the README's table are scripts/reproduce_results.sh.
 
