@@ -223,11 +223,12 @@ def parse_schedule(values: Mapping[Any, Any]) -> Dict[int, int]:
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   """What speculative-t5x-calibrate measured (its calibration.json): {batch size: gamma} and
-  {batch size: the fitted model}, at `temperature` (a sampling loop's overheads and acceptance
-  are not a greedy one's)."""
+  {batch size: the fitted model} and {batch size: the acceptance it measured}, at `temperature`
+  (a sampling loop's overheads and acceptance are not a greedy one's)."""
   schedule: Dict[int, int]
   models: Dict[int, StepCosts]
   temperature: float = 0.0
+  alphas: Dict[int, float] = dataclasses.field(default_factory=dict)  # effective, per batch size
 
   def fits(self, temperature: Any) -> bool:
     """Whether a job at `temperature` (a scalar or per row) was calibrated for: every row at
@@ -245,7 +246,9 @@ def load_calibration(path: os.PathLike) -> Calibration:
     values = json.loads(open(path, encoding='utf-8').read())
     return Calibration(parse_schedule(values['schedule']), {
         int(b): StepCosts.from_json(block['costs'])
-        for b, block in values['batch_sizes'].items()}, float(values.get('temperature', 0.0)))
+        for b, block in values['batch_sizes'].items()}, float(values.get('temperature', 0.0)),
+        {int(b): float(block['alpha']) for b, block in values['batch_sizes'].items()
+         if block.get('alpha') is not None})
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f'{path} is not a readable calibration.json from '
                      f'speculative-t5x-calibrate ({type(e).__name__}: {e})') from None

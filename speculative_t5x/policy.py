@@ -204,12 +204,13 @@ class DecodingPolicy:
     predicts fastest neighbours the running one (tried next if it has not run yet), choices it
     predicts much slower are not explored early in the job (MODEL_SLACK), and timing decides
     between the rest.
+  prior_alpha: the calibration's acceptance, the model's until a speculative batch counts one.
   """
 
   def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
                fallback: Any = None, window: int = WINDOW, explore_every: int = EXPLORE_EVERY,
                clock: Callable[[], float] = time.perf_counter,
-               model: Optional[costs.StepCosts] = None):
+               model: Optional[costs.StepCosts] = None, prior_alpha: Optional[float] = None):
     if not choices:
       raise ValueError('DecodingPolicy needs at least one choice.')
     self.choices = tuple(choices)
@@ -219,6 +220,7 @@ class DecodingPolicy:
     self.window = window
     self.clock = clock
     self.model = model
+    self.prior_alpha = prior_alpha
     # (gamma, loop iterations, output positions) of the last `window` speculative batches.
     self.counts: Deque[Tuple[int, int, int]] = collections.deque(maxlen=window)
     self.records = {c: _Record(window, interval=explore_every) for c in self.choices}
@@ -233,7 +235,7 @@ class DecodingPolicy:
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
     return DecodingPolicy(self.choices, self.setting, self.fallback, self.window,
-                          self.explore_every, self.clock, self.model)
+                          self.explore_every, self.clock, self.model, self.prior_alpha)
 
   @property
   def measured(self) -> bool:
@@ -246,13 +248,14 @@ class DecodingPolicy:
 
   def alpha(self) -> Optional[float]:
     """The effective acceptance of the job's recent speculative batches (`costs.
-    effective_alpha` of each gamma's tokens per loop iteration, weighted by iterations)."""
+    effective_alpha` of each gamma's tokens per loop iteration, weighted by iterations); before
+    any, the calibration's (`prior_alpha`; None without a model)."""
     by_gamma: Dict[int, List[int]] = collections.defaultdict(lambda: [0, 0])
     for gamma, iterations, positions in self.counts:
       by_gamma[gamma][0] += iterations
       by_gamma[gamma][1] += positions
     if not by_gamma:
-      return None
+      return self.prior_alpha if self.model is not None else None
     weights = [it for it, _ in by_gamma.values()]
     alphas = [costs.effective_alpha(pos / max(it, 1), g) for g, (it, pos) in by_gamma.items()]
     return float(np.average(alphas, weights=weights))
@@ -388,6 +391,10 @@ class DecodingPolicy:
       choice = self.choices[int(index)]
     return choice
 
+  def _positions(self) -> float:
+    """Output positions per speculative batch (0 before any: the encoders' share left out)."""
+    return float(np.mean([p for _, _, p in self.counts])) if self.counts else 0.0
+
   def _ruled_out(self, choice: Any) -> bool:
     """Whether the model, early in the job, predicts `choice` slower than the running choice
     by more than MODEL_SLACK (`MODEL_TRUST`)."""
@@ -395,7 +402,7 @@ class DecodingPolicy:
     if (alpha is None or self.batches >= MODEL_TRUST or
         max(choice, self.current) > self.model.max_gamma):
       return False  # (alpha is None without a model)
-    positions = float(np.mean([p for _, _, p in self.counts]))  # per batch
+    positions = self._positions()
     predict = lambda c: self.model.ms_per_position(c, alpha, positions)
     return predict(choice) > (1 + MODEL_SLACK) * predict(self.current)
 
@@ -497,7 +504,7 @@ class DecodingPolicy:
     alpha = self.alpha()
     if self.model is None or alpha is None:
       return {}
-    positions = float(np.mean([p for _, _, p in self.counts]))  # per batch
+    positions = self._positions()
     return {'model': {'alpha': round(alpha, 4), 'predicted_best': self.predicted(),
                       'predicted_ms_per_position': {
                           str(c): round(self.model.ms_per_position(c, alpha, positions), 4)
@@ -544,6 +551,7 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     fallback = min(fallback_gamma(temperature) if start is None else start, max_gamma)
     if calibration is not None:
       policy_kwargs.setdefault('model', calibration.model(batch_size))
+      policy_kwargs.setdefault('prior_alpha', calibration.alphas.get(batch_size))
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, **policy_kwargs),
             gamma_decoders(model, decode_kwargs, max_gamma))
   if (name == _name(beam_search.speculative_beam_search) and

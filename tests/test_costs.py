@@ -241,3 +241,19 @@ def test_a_short_job_does_not_explore_what_the_model_rules_out():
   # exempt from the exploration budget).
   blind = policy.DecodingPolicy(range(5), 'gamma', 4)
   assert 0 in run_job(blind, [0.95] * policy.MODEL_TRUST, machine=model())
+
+
+def test_the_calibrations_acceptance_guides_a_job_that_starts_without_speculation():
+  """Calibrated at an acceptance where the target alone is fastest: the job starts there and
+  does not spend early batches on gammas the model predicts much slower (it has no counts of
+  its own until one runs)."""
+  kwargs = {'gamma': 'auto', 'temperature': 1.0}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
+  at = lambda g: model().ms_per_position(g, 0.2)
+  assert min(at(g) for g in (1, 2, 3, 4)) > (1 + policy.MODEL_SLACK) * at(0)
+  calibration = costs.Calibration({1: 0}, {1: model()}, temperature=1.0, alphas={1: 0.2})
+  guided, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
+  assert guided.fallback == 0 and guided.alpha() == 0.2 and guided.predicted() == 0
+  assert set(run_job(guided, [0.2] * (policy.MODEL_TRUST - 1))) == {0}
+  blind = policy.DecodingPolicy(range(5), 'gamma', 0)
+  assert set(run_job(blind, [0.2] * (policy.MODEL_TRUST - 1), machine=model())) != {0}
