@@ -231,6 +231,7 @@ class DecodingPolicy:
     self._sigma_cache: Optional[float] = None
     self._advantages: Dict[Any, Tuple[float, float]] = {}  # of this batch: each is read often
     self._ours: Optional[np.ndarray] = None  # the running choice's history as an array
+    self._alpha: Optional[Tuple[Optional[float]]] = None  # of this batch: read per neighbour
 
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
@@ -249,7 +250,13 @@ class DecodingPolicy:
   def alpha(self) -> Optional[float]:
     """The effective acceptance of the job's recent speculative batches (`costs.
     effective_alpha` of each gamma's tokens per loop iteration, weighted by iterations); before
-    any, the calibration's (`prior_alpha`; None without a model)."""
+    any, the calibration's (`prior_alpha`; None without a model). Computed once per observed
+    batch (each gamma's inverse is a bisection, and the policy reads it per neighbour)."""
+    if self._alpha is None:
+      self._alpha = (self._counted_alpha(),)
+    return self._alpha[0]
+
+  def _counted_alpha(self) -> Optional[float]:
     by_gamma: Dict[int, List[int]] = collections.defaultdict(lambda: [0, 0])
     for gamma, iterations, positions in self.counts:
       by_gamma[gamma][0] += iterations
@@ -417,7 +424,7 @@ class DecodingPolicy:
     if choice not in (self.current, self.choices[0]) and self.records[self.current].count:
       self.excess_ms += ms - self.records[self.current].cost * positions
     record.add(self.batches, ms, positions)
-    self._sigma_cache, self._advantages, self._ours = None, {}, None
+    self._sigma_cache, self._advantages, self._ours, self._alpha = None, {}, None, None
     record.batches += 1
     record.last = self.batches
     self.batches += 1

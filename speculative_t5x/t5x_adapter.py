@@ -179,7 +179,6 @@ class _SpeculativeMethods:
         return_all_decodes=bool(return_all_decodes), num_decodes=int(num_decodes),
         prompt_with_targets=prompt_with_targets)
 
-
   def scheduled_gamma(self, batch_size: int) -> Optional[int]:
     """The calibrated gamma for `batch_size` (`gamma_schedule`, written by
     speculative-t5x-calibrate; T5X traces predict_batch at a static batch size, so the choice is
