@@ -66,9 +66,11 @@ def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],
       raise SystemExit(f'error: draft {name} ({path}) has vocab_size '
                        f'{pair.draft_config.vocab_size}, the target '
                        f'{pair.target_config.vocab_size}.')
+    reads = None if pair.draft_config.has_encoder else (pair.target_config,
+                                                          pair.params['target'])
     outputs = evaluation.greedy_translate(
         pair.draft_config, pair.params['draft'], data.encode(sources, harness.INPUT_LENGTH),
-        harness.INPUT_LENGTH, harness.OUTPUT_LENGTH)
+        harness.INPUT_LENGTH, harness.OUTPUT_LENGTH, encoder=reads)
     info[name] = {
         'path': path, 'params': harness.param_count(pair.params['draft']),
         'c_hat': (pair.draft_config.decode_flops_per_token() /

@@ -68,14 +68,9 @@ def step_setup(pair: pipeline.Pair, name: str, batch: int, position: int = 8,
   variables = {'params': pair.params[name],
                network.DECODE_COLLECTION: pair.params['decode'][name]}
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, input_length), 3, config.vocab_size)
-
-  @jax.jit
-  def empty_cache(params, tokens):  # jitted: op by op, the encoder alone takes seconds
-    encoded = module.apply({'params': params}, tokens, method=network.Transformer.encode)
-    return module.apply({'params': params}, encoded, tokens, output_length,
-                        method=network.Transformer.init_cache)
-
-  cache = empty_cache(pair.params[name], tokens)
+  # Jitted: op by op, the encoder alone takes seconds.
+  caches = jax.jit(functools.partial(pair.model().init_caches, max_length=output_length))
+  cache = caches(pair.params, tokens)[0 if name == 'target' else 1]
   return module, variables, cache.with_index(jnp.full((batch,), position, jnp.int32))
 
 
@@ -118,20 +113,11 @@ def step_times_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Seque
 
 def encode_call(pair: pipeline.Pair, batch_size: int, width: int,
                 output_length: int = OUTPUT_LENGTH) -> Callable[[], Any]:
-  """What a batch runs once, compiled: both encoders over [batch_size, width] inputs and their
-  decoder caches, in one jitted call."""
+  """What a batch runs once, compiled: the encoders over [batch_size, width] inputs (one for a
+  decoder-only draft) and both decoder caches, in one jitted call."""
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, width), 3,
                               pair.configs['target'].vocab_size)
-
-  def start(params, tokens):
-    caches = []
-    for name in ('target', 'draft'):
-      module = network.Transformer(pair.configs[name])
-      encoded = module.apply({'params': params[name]}, tokens, method=network.Transformer.encode)
-      caches.append(module.apply({'params': params[name]}, encoded, tokens, output_length,
-                                 method=network.Transformer.init_cache))
-    return caches
-
+  start = functools.partial(pair.model().init_caches, max_length=output_length)
   return functools.partial(jax.jit(start).lower(pair.params, tokens).compile(), pair.params,
                            tokens)
 

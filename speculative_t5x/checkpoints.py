@@ -136,7 +136,7 @@ def load_checkpoint(path: PathLike, config: Optional[network.T5Config] = None,
 # Fields that change what the parameters mean; dtype and dropout do not.
 _ARCHITECTURE_FIELDS = ('vocab_size', 'emb_dim', 'num_heads', 'num_encoder_layers',
                         'num_decoder_layers', 'head_dim', 'mlp_dim', 'mlp_activations',
-                        'logits_via_embedding')
+                        'logits_via_embedding', 'encoded_width')
 
 
 def _check_stored_config(params: Params, stored: network.T5Config,

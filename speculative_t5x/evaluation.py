@@ -32,6 +32,9 @@ from speculative_t5x import network
 
 Array = jnp.ndarray
 PyTree = Any
+# (config, params) of the model whose encoder a decoder-only model reads (`T5Config.encoded_width`);
+# None for a model with its own encoder.
+Encoder = Optional[Tuple[network.T5Config, PyTree]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,32 +121,38 @@ def distillation_loss(logits: Array, teacher_logits: Array, weights: Array, temp
 # Greedy decoding: the decoders' own loop (decoding.temperature_sample at temperature 0).
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'max_length'))
+@functools.partial(jax.jit, static_argnames=('config', 'max_length', 'encoder_config'))
 def _greedy_decode(config: network.T5Config, params: PyTree, encoder_input_tokens: Array,
-                   max_length: int) -> Array:
+                   max_length: int, encoder_config: Optional[network.T5Config] = None,
+                   encoder_params: Optional[PyTree] = None) -> Array:
   """Greedy outputs [batch, max_length] for encoder_input_tokens [batch, enc_length].
 
   Each row stops at its EOS (later positions are 0); rows that are all padding decode nothing.
   """
   model = models.EncoderDecoderModel(config, decode_fn=decoding.temperature_sample,
-                                     decode_kwargs={'temperature': 0.0}, eos_id=data.EOS_ID)
+                                     decode_kwargs={'temperature': 0.0}, eos_id=data.EOS_ID,
+                                     encoder_config=encoder_config)
   batch = {'encoder_input_tokens': encoder_input_tokens,
            'decoder_input_tokens': jnp.zeros((encoder_input_tokens.shape[0], max_length),
                                              jnp.int32)}
-  return model.predict_batch({'target': params}, batch)
+  return model.predict_batch({'target': params, 'encoder': encoder_params}, batch)
+
+
+def _encoder_args(encoder: Encoder) -> Dict[str, Any]:
+  return {} if encoder is None else {'encoder_config': encoder[0], 'encoder_params': encoder[1]}
 
 
 def greedy_translate(config: network.T5Config, params: PyTree,
                      token_inputs: Sequence[Sequence[int]], max_input_length: int,
                      max_length: int, batch_size: int = 128,
-                     log_every: int = 0) -> List[List[int]]:
+                     log_every: int = 0, encoder: Encoder = None) -> List[List[int]]:
   """Greedy token outputs (up to and including EOS) for each tokenized input, in fixed shapes."""
   outputs = []
   for start in range(0, len(token_inputs), batch_size):
     chunk = token_inputs[start:start + batch_size]
     enc = data.pad_batch(chunk, None, max_input_length, max_length, batch_size)
     out = np.asarray(_greedy_decode(config, params, jnp.asarray(enc['encoder_input_tokens']),
-                                    max_length))
+                                    max_length, **_encoder_args(encoder)))
     for row in out[:len(chunk)]:
       row = row.tolist()
       outputs.append(row[:row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row)
@@ -159,7 +168,7 @@ def greedy_translate(config: network.T5Config, params: PyTree,
 def evaluate(config: network.T5Config, params: PyTree, sources: Sequence[str],
              references: Sequence[str], max_input_length: int, max_target_length: int,
              batch_size: int = 128, loss_batches: bool = True,
-             bleu_examples: Optional[int] = None) -> Dict[str, float]:
+             bleu_examples: Optional[int] = None, encoder: Encoder = None) -> Dict[str, float]:
   """Per-token loss / accuracy (teacher forced) over all pairs, and greedy BLEU on the first
   `bleu_examples` (all when None)."""
   inputs, targets = data.tokenize_pairs(sources, references, max_input_length, max_target_length)
@@ -169,7 +178,8 @@ def evaluate(config: network.T5Config, params: PyTree, sources: Sequence[str],
     for start in range(0, len(inputs), batch_size):
       batch = data.pad_batch(inputs[start:start + batch_size], targets[start:start + batch_size],
                              max_input_length, max_target_length, batch_size)
-      metrics = _eval_step(config, params, {k: jnp.asarray(v) for k, v in batch.items()})
+      metrics = _eval_step(config, params, {k: jnp.asarray(v) for k, v in batch.items()},
+                           **_encoder_args(encoder))
       for k in totals:
         totals[k] += float(metrics[k])
     results['loss'] = totals['cross_entropy'] / totals['tokens']
@@ -177,22 +187,35 @@ def evaluate(config: network.T5Config, params: PyTree, sources: Sequence[str],
   n = len(inputs) if bleu_examples is None else min(bleu_examples, len(inputs))
   if n:
     outputs = greedy_translate(config, params, inputs[:n], max_input_length, max_target_length,
-                               batch_size)
+                               batch_size, encoder=encoder)
     results['bleu'] = data.corpus_bleu(data.decode(outputs), references[:n])
     results['bleu_examples'] = n
   return results
 
 
-@functools.partial(jax.jit, static_argnames=('config',))
-def _eval_step(config: network.T5Config, params: PyTree,
-               batch: Dict[str, Array]) -> Dict[str, Array]:
+@functools.partial(jax.jit, static_argnames=('config', 'encoder_config'))
+def _eval_step(config: network.T5Config, params: PyTree, batch: Dict[str, Array],
+               encoder_config: Optional[network.T5Config] = None,
+               encoder_params: Optional[PyTree] = None) -> Dict[str, Array]:
   """Teacher-forced metrics of one padded batch, summed over tokens (no dropout, no z-loss)."""
+  encoded = encode_for(encoder_config, encoder_params, batch['encoder_input_tokens'])
   logits = network.Transformer(config).apply(
       {'params': params}, batch['encoder_input_tokens'], batch['decoder_input_tokens'],
-      batch['decoder_target_tokens'], enable_dropout=False)
+      batch['decoder_target_tokens'], enable_dropout=False, encoded=encoded)
   _, metrics = cross_entropy_with_z_loss(logits, batch['decoder_target_tokens'],
                                          batch['decoder_loss_weights'], 0.0)
   return metrics
+
+
+def encode_for(encoder_config: Optional[network.T5Config], encoder_params: Optional[PyTree],
+               encoder_input_tokens: Array, encoder_segment_ids: Optional[Array] = None
+               ) -> Optional[Array]:
+  """The frozen encoder output a decoder-only model reads (no gradient), or None without one."""
+  if encoder_config is None:
+    return None
+  return jax.lax.stop_gradient(network.Transformer(encoder_config).apply(
+      {'params': encoder_params}, encoder_input_tokens, encoder_segment_ids,
+      method=network.Transformer.encode))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -272,8 +272,8 @@ _PAD_ID, _EOS_ID = 0, 1
 def hf_config_from(config: network.T5Config) -> Dict[str, Any]:
   """The HF `config.json` dict of `config`.
 
-  ValueError unless mlp_activations are T5 1.1's, T5 1.0's or ('silu', 'linear') (HF's plain
-  'gelu' is the erf GELU; flax's is the tanh one).
+  ValueError for a decoder-only config, and unless mlp_activations are T5 1.1's, T5 1.0's or
+  ('silu', 'linear') (HF's plain 'gelu' is the erf GELU; flax's is the tanh one).
 
   Both conventions for the output layer are written: transformers < 5 reads
   `tie_word_embeddings` as 'share and scale by d_model**-0.5'; transformers >= 5 always shares
@@ -281,6 +281,9 @@ def hf_config_from(config: network.T5Config) -> Dict[str, Any]:
   `scale_decoder_outputs` (see `_scales_decoder_output`). T5X's `logits_via_embedding` is both;
   its absence is an own, unscaled `lm_head`.
   """
+  if not config.has_encoder:
+    raise ValueError(f'A decoder-only model (encoded_width {config.encoded_width}) has no '
+                     'Hugging Face T5 form: it reads another model\'s encoder.')
   proj = _FEED_FORWARD_PROJ.get(tuple(config.mlp_activations))
   if proj is None:
     raise ValueError(f'mlp_activations {tuple(config.mlp_activations)} have no Hugging Face T5 '

@@ -55,6 +55,20 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
   return tokens_to_logits
 
 
+def _check_reads(config: network.T5Config, encoder_config: Optional[network.T5Config],
+                 name: str) -> None:
+  """Raises a one-line ValueError unless a decoder-only `config` can read the encoder output
+  of the model of `encoder_config`."""
+  if config.has_encoder:
+    return
+  if encoder_config is config or not encoder_config.has_encoder:
+    raise ValueError(f'The {name} is decoder-only (encoded_width {config.encoded_width}): it '
+                     'needs a model with an encoder to read.')
+  if config.encoded_width != encoder_config.emb_dim:
+    raise ValueError(f'The {name} reads an encoder output of width {config.encoded_width}, but '
+                     f'the encoder it reads has emb_dim {encoder_config.emb_dim}.')
+
+
 def _takes_draft(decode_fn: Callable) -> bool:
   fn = decode_fn.func if isinstance(decode_fn, functools.partial) else decode_fn
   return 'draft_tokens_to_logits' in inspect.signature(fn).parameters
@@ -74,6 +88,10 @@ class EncoderDecoderModel:
     `beam_search.speculative_beam_search`; `decode_kwargs` are passed to it
     (e.g. gamma, temperature), and `predict_batch_with_aux(decoder_params=...)` overrides them.
   eos_id / draft_eos_id: the two models' EOS ids (default: from the vocabularies, else 1).
+  encoder_config: only for a decoder-only target (`T5Config.encoded_width`, e.g. such a draft
+    decoding alone): the config of the model whose encoder it reads, from params['encoder'].
+
+  A decoder-only draft reads the target's encoder output: one encoder runs per batch.
   """
 
   def __init__(self, target_config: network.T5Config,
@@ -82,8 +100,13 @@ class EncoderDecoderModel:
                decode_kwargs: Optional[Mapping[str, Any]] = None,
                input_vocabulary: Any = None, output_vocabulary: Any = None,
                draft_output_vocabulary: Any = None, eos_id: Optional[int] = None,
-               draft_eos_id: Optional[int] = None):
+               draft_eos_id: Optional[int] = None,
+               encoder_config: Optional[network.T5Config] = None):
     self.target_config = target_config
+    if encoder_config is not None and target_config.has_encoder:
+      raise ValueError('encoder_config is for a decoder-only target; this target has an encoder.')
+    self.encoder_module = network.Transformer(encoder_config) if encoder_config else None
+    _check_reads(target_config, encoder_config or target_config, 'target')
     self.draft_config = draft_config
     self.module = network.Transformer(target_config)
     self.draft_module = network.Transformer(draft_config) if draft_config else None
@@ -117,6 +140,7 @@ class EncoderDecoderModel:
     if self.eos_id != self.draft_eos_id:
       raise ValueError(f'Draft and target EOS ids differ: target eos_id {self.eos_id}, '
                        f'draft eos_id {self.draft_eos_id}.')
+    _check_reads(self.draft_config, self.target_config, 'draft')
 
   # ---------------------------------------------------------------------------------------------
 
@@ -152,8 +176,11 @@ class EncoderDecoderModel:
     return {**params, 'decode': out}
 
   def _compute_logits(self, params: Params, batch: Mapping[str, Array]) -> Array:
+    encoded = (None if self.encoder_module is None else
+               self._encode(params, batch['encoder_input_tokens'], {}))
     return self.module.apply({'params': params['target']}, batch['encoder_input_tokens'],
-                             batch['decoder_input_tokens'], batch['decoder_target_tokens'])
+                             batch['decoder_input_tokens'], batch['decoder_target_tokens'],
+                             encoded=encoded)
 
   def score_batch(self, params: Params, batch: Mapping[str, Array]) -> Array:
     """Sum of the target's log-probabilities of `decoder_target_tokens`, weighted: [batch]."""
@@ -166,14 +193,43 @@ class EncoderDecoderModel:
       weights = batch['decoder_target_tokens'] > 0
     return jnp.sum(token_scores * weights, axis=-1)
 
+  def _encode(self, params: Params, encoder_input_tokens: Array,
+              prepared: Mapping[str, Any]) -> Array:
+    """The encoder output the target reads: [batch, enc_length, emb] (its own encoder's, else
+    that of `encoder_config`'s model)."""
+    if self.encoder_module is not None:
+      module, variables = self.encoder_module, {'params': params['encoder']}
+    else:
+      variables = {'params': params['target'],
+                   network.DECODE_COLLECTION: prepared.get('target') or {}}
+      module = self.module
+    return module.apply(variables, encoder_input_tokens, method=network.Transformer.encode)
+
   def _init_cache(self, module: network.Transformer, params: Params, encoder_input_tokens: Array,
-                  max_length: int, decode_variables: Optional[Mapping[str, Any]] = None
-                  ) -> network.DecoderCache:
+                  max_length: int, decode_variables: Optional[Mapping[str, Any]] = None,
+                  encoded: Optional[Array] = None) -> network.DecoderCache:
+    """An empty decoder cache over `encoded`, or over the module's own encoder output."""
     variables = {'params': params, network.DECODE_COLLECTION: decode_variables or {}}
-    encoded = module.apply(variables, encoder_input_tokens, method=network.Transformer.encode)
+    if module.config.has_encoder:
+      encoded = module.apply(variables, encoder_input_tokens, method=network.Transformer.encode)
     return self.constrain_cache(
         module.apply(variables, encoded, encoder_input_tokens, max_length,
                      method=network.Transformer.init_cache))
+
+  def init_caches(self, params: Params, encoder_input_tokens: Array, max_length: int,
+                  with_draft: bool = True
+                  ) -> Tuple[network.DecoderCache, Optional[network.DecoderCache]]:
+    """A batch's empty (target cache, draft cache) for `max_length` decoder positions; the
+    draft's is None without `with_draft` or when `decode_fn` takes no draft. A decoder-only draft
+    reads the target's encoder output, computed once."""
+    prepared = params.get('decode', {})
+    encoded = self._encode(params, encoder_input_tokens, prepared)
+    cache = self._init_cache(self.module, params['target'], encoder_input_tokens, max_length,
+                             prepared.get('target'), encoded)
+    if not (self.uses_draft and with_draft):
+      return cache, None
+    return cache, self._init_cache(self.draft_module, params['draft'], encoder_input_tokens,
+                                   max_length, prepared.get('draft'), encoded)
 
   def predict_batch_with_aux(self, params: Params, batch: Mapping[str, Array],
                              rng: Optional[jax.Array] = None,
@@ -202,10 +258,12 @@ class EncoderDecoderModel:
     prepared = params.get('decode', {})  # `with_decode_variables`
     if TEMPERATURE_FEATURE in batch:  # per-row temperatures, traced: no recompilation
       kwargs['temperature'] = batch[TEMPERATURE_FEATURE]
+    # speculative_sample at gamma 0 is the target alone (a calibrated schedule's choice where
+    # speculation does not pay): the draft's encoder and cache would be work for nothing.
+    with_draft = kwargs.get('gamma') != 0
+    cache, draft_cache = self.init_caches(params, encoder_input_tokens, max_length, with_draft)
     kwargs.update(
-        inputs=inputs, eos_id=self.eos_id, num_decodes=num_decodes, decode_rng=rng,
-        cache=self._init_cache(self.module, params['target'], encoder_input_tokens, max_length,
-                               prepared.get('target')),
+        inputs=inputs, eos_id=self.eos_id, num_decodes=num_decodes, decode_rng=rng, cache=cache,
         tokens_to_logits=make_tokens_to_logits(self.module, params['target'],
                                                prepared.get('target')))
     signature = inspect.signature(getattr(self.decode_fn, 'func', self.decode_fn)).parameters
@@ -220,11 +278,9 @@ class EncoderDecoderModel:
     if wants_stats:
       kwargs['return_stats'] = True
     if self.uses_draft:
-      kwargs['draft_cache'] = self._init_cache(self.draft_module, params['draft'],
-                                               encoder_input_tokens, max_length,
-                                               prepared.get('draft'))
+      kwargs['draft_cache'] = draft_cache
       kwargs['draft_tokens_to_logits'] = make_tokens_to_logits(
-          self.draft_module, params['draft'], prepared.get('draft'))
+          self.draft_module, params['draft'], prepared.get('draft')) if with_draft else None
     outputs = self.decode_fn(**kwargs)
     decodes, scores = outputs[0], outputs[1]
     aux = {}

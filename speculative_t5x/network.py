@@ -61,6 +61,10 @@ class T5Config:
     make bf16 greedy speculative decoding token-identical to bf16 target-only greedy: the k-token
     verify call and the 1-token calls already round the decoder layers' bf16 activations
     differently (benchmarks/numerics.py measures both).
+  encoded_width: 0 for a model with its own encoder. Else a decoder-only model (a draft that
+    reads the target's encoder output, so a speculative decode runs one encoder): it has no
+    `encoder` parameters (num_encoder_layers must be 0) and its cross-attention key/value
+    projections take inputs of this width, the target's emb_dim.
   """
   vocab_size: int
   dtype: DType = jnp.float32
@@ -75,6 +79,7 @@ class T5Config:
   logits_via_embedding: bool = False
   float32_attention_logits: bool = False
   float32_logits: bool = False
+  encoded_width: int = 0
 
   def __post_init__(self):
     # Normalise so configs from gin/JSON (lists, dtype names) hash and compare equal.
@@ -83,6 +88,14 @@ class T5Config:
     unknown = [a for a in self.mlp_activations if a not in _ACTIVATIONS]
     if unknown:
       raise ValueError(f'Unknown mlp_activations {unknown}; known: {sorted(_ACTIVATIONS)}.')
+    if self.encoded_width and self.num_encoder_layers:
+      raise ValueError(f'A decoder-only config (encoded_width {self.encoded_width}) has no '
+                       f'encoder: set num_encoder_layers to 0, not {self.num_encoder_layers}.')
+
+  @property
+  def has_encoder(self) -> bool:
+    """False for a decoder-only model, which reads another model's encoder output."""
+    return not self.encoded_width
 
   def decode_flops_per_token(self) -> int:
     """Multiply-adds of one decoder token, excluding attention over the cache (for cost ratios)."""
@@ -693,12 +706,16 @@ class Transformer(nn.Module):
   def setup(self):
     cfg = self.config
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, cfg.dtype)
-    self.encoder = Encoder(cfg, self.token_embedder)
+    if cfg.has_encoder:
+      self.encoder = Encoder(cfg, self.token_embedder)
     self.decoder = Decoder(cfg, self.token_embedder)
 
   def encode(self, encoder_input_tokens: Array, encoder_segment_ids: Optional[Array] = None,
              enable_dropout: bool = False) -> Array:
     """[batch, enc_length] -> [batch, enc_length, emb]."""
+    if not self.config.has_encoder:
+      raise ValueError(f'This decoder-only model (encoded_width {self.config.encoded_width}) has '
+                       'no encoder: pass the encoder output of the model it reads.')
     return self.encoder(encoder_input_tokens, encoder_segment_ids,
                         deterministic=not enable_dropout)
 
@@ -713,9 +730,17 @@ class Transformer(nn.Module):
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
                decoder_segment_ids: Optional[Array] = None, *,
-               enable_dropout: bool = False) -> Array:
-    """Full teacher-forced forward pass -> logits [batch, dec_length, vocab] (float32)."""
-    encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout)
+               enable_dropout: bool = False, encoded: Optional[Array] = None) -> Array:
+    """Full teacher-forced forward pass -> logits [batch, dec_length, vocab] (float32).
+
+    encoded: [batch, enc_length, encoded_width], the encoder output a decoder-only model reads
+      (required for one, except at init, where a zero stand-in gives the parameters' shapes).
+    """
+    if encoded is None and not self.config.has_encoder and self.is_initializing():
+      encoded = jnp.zeros(encoder_input_tokens.shape + (self.config.encoded_width,),
+                          self.config.dtype)
+    if encoded is None:
+      encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout)
     return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
                        decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
                        enable_dropout)

@@ -54,6 +54,12 @@ Settings (gin: `train.NAME`):
   init_from: start from these params (exported weights file or training folder; same config)
     instead of a random init, e.g. to fine-tune the undistilled draft on distillation data.
     Ignored when the run resumes from its own checkpoint.
+  init_partial: take only init_from's parameters that match this config's by name and shape
+    (the rest from the seeded init, listed in the log), e.g. a decoder-only draft started from
+    a separate draft's decoder.
+  encoder: for a decoder-only config (`T5Config.encoded_width`): the weights file or training
+    folder of the model whose encoder output it reads (the target), frozen; its encoder runs
+    inside every step and evaluation. Only for such a config.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
+from flax import traverse_util
 import gin
 import jax
 import jax.numpy as jnp
@@ -176,28 +183,30 @@ def train(*,
           kd_weight: float = 1.0, kd_temperature: float = 1.0,
           kd_divergence: str = 'forward_kl', kd_sequences: str = 'data',
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
-          init_from: Optional[str] = None) -> Dict[str, Any]:
+          init_from: Optional[str] = None, init_partial: bool = False,
+          encoder: Optional[str] = None) -> Dict[str, Any]:
   """Trains (or resumes) a model; returns the final metrics.
   Each setting is described in this module's docstring ("Settings").
   """
   distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache,
                           kd_divergence, kd_sequences)
   model_dir = _prepare_model_dir(model_dir, config)
+  frozen_encoder = _load_encoder(config, encoder)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
                      data_dir, mixture_or_task_name, batch_size, pack, seed)
   batches, num_pairs, teacher_model = _training_data(dataset, config, distill,
                                                      max_train_examples, eval_batch_size)
   validation = dataset.load('validation')[:2]
   state = _initial_state(config, make_optimizer(learning_rate_scale, warmup_steps), seed,
-                         init_from)
+                         init_from, init_partial)
   checkpointer = _Checkpointer(model_dir / 'checkpoints', checkpoint_every, keep_checkpoints,
                                batches)
   state, progress = checkpointer.restore(state)
   _print_summary(config, state, num_pairs, batches)
   train_step = _step_function(config, distill, teacher_model, learning_rate_scale, warmup_steps,
-                              seed, z_loss, label_smoothing)
+                              seed, z_loss, label_smoothing, frozen_encoder)
   evaluator = _Evaluator(config, dataset, validation, eval_batch_size, eval_every,
-                         eval_bleu_examples, tuple(final_eval_splits))
+                         eval_bleu_examples, tuple(final_eval_splits), frozen_encoder)
   schedule = rsqrt_schedule(learning_rate_scale, warmup_steps)
   with _MetricsLog(model_dir / 'metrics.jsonl', schedule, log_every) as log, checkpointer:
     with _StopRule(num_train_steps, max_train_seconds) as stop:
@@ -223,6 +232,22 @@ def _prepare_model_dir(model_dir: str, config: network.T5Config) -> Path:
   if config.vocab_size < vocab:
     raise ValueError(f'config.vocab_size {config.vocab_size} < vocabulary size {vocab}.')
   return model_dir
+
+
+def _load_encoder(config: network.T5Config, path: Optional[str]) -> evaluation.Encoder:
+  """The frozen (config, params) whose encoder a decoder-only `config` reads; None otherwise."""
+  if config.has_encoder:
+    if path is not None:
+      raise ValueError('train.encoder is only for a decoder-only config (encoded_width > 0).')
+    return None
+  if path is None:
+    raise ValueError(f'A decoder-only config (encoded_width {config.encoded_width}) needs '
+                     'train.encoder: the weights of the model whose encoder it reads.')
+  encoder_config, encoder_params = checkpoints.load_model(path)
+  if encoder_config.emb_dim != config.encoded_width:
+    raise ValueError(f'train.encoder {path} has emb_dim {encoder_config.emb_dim}, but the config '
+                     f'reads encoder outputs of width {config.encoded_width}.')
+  return encoder_config, encoder_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,17 +339,35 @@ def _training_data(dataset: _Dataset, config: network.T5Config, distill: _Distil
 
 
 def _initial_state(config: network.T5Config, tx: optax.GradientTransformation, seed: int,
-                   init_from: Optional[str]) -> State:
-  """Step 0: the params of `init_from` (same tree as config's) or a seeded init, fresh slots."""
+                   init_from: Optional[str], partial: bool = False) -> State:
+  """Step 0: the params of `init_from` (same tree as config's; with `partial`, those that match)
+  or a seeded init, fresh slots."""
   params, _ = network.init_params(config, jax.random.PRNGKey(seed))
   if init_from is not None:
     init_config, init_params = checkpoints.load_model(init_from)
-    if jax.tree_util.tree_structure(init_params) != jax.tree_util.tree_structure(params) or any(
+    if partial:
+      params = _matching_params(params, init_params, init_from)
+    elif jax.tree_util.tree_structure(init_params) != jax.tree_util.tree_structure(params) or any(
         a.shape != b.shape for a, b in zip(jax.tree_util.tree_leaves(init_params),
                                            jax.tree_util.tree_leaves(params))):
       raise ValueError(f'init_from={init_from} has config {init_config}, not {config}.')
-    params = init_params
+    else:
+      params = init_params
   return {'params': params, 'opt_state': tx.init(params), 'step': jnp.int32(0)}
+
+
+def _matching_params(params: PyTree, source: PyTree, name: str) -> PyTree:
+  """`params` with every leaf that `source` has under the same name and shape taken from it."""
+  flat = traverse_util.flatten_dict(params, sep='/')
+  given = traverse_util.flatten_dict(source, sep='/')
+  taken = {k for k, v in flat.items() if k in given and given[k].shape == v.shape}
+  if not taken:
+    raise ValueError(f'init_from={name} has no parameter of this config\'s names and shapes.')
+  fresh = sorted(set(flat) - taken)
+  print(f'init_from {name}: {len(taken)} of {len(flat)} parameters taken; fresh: '
+        f'{", ".join(fresh) or "none"}', flush=True)
+  return traverse_util.unflatten_dict(
+      {k: jnp.asarray(given[k]) if k in taken else v for k, v in flat.items()}, sep='/')
 
 
 def _num_params(state: State) -> int:
@@ -405,6 +448,7 @@ class _Evaluator:
   every: int  # 0: no evaluation during training
   bleu_examples: int  # greedy BLEU during training on this many validation examples
   final_splits: Tuple[str, ...]
+  encoder: evaluation.Encoder = None  # what a decoder-only config reads
 
   def due(self, step: int) -> bool:
     return bool(self.every) and step % self.every == 0
@@ -427,7 +471,7 @@ class _Evaluator:
       start = time.time()
       res = evaluation.evaluate(self.config, params, src, ref, self.dataset.max_input_length,
                                 self.dataset.max_target_length, self.batch_size,
-                                bleu_examples=bleu_examples)
+                                bleu_examples=bleu_examples, encoder=self.encoder)
       res['seconds'] = time.time() - start
       out[split] = res
       print(f'step {step} eval {split}: ' + ', '.join(
@@ -535,24 +579,29 @@ class _StopRule:
 
 def _step_function(config: network.T5Config, distill: _Distillation, teacher: Teacher,
                    learning_rate_scale: float, warmup_steps: int, seed: int, z_loss: float,
-                   label_smoothing: float) -> Callable[[State, Dict[str, Array]],
-                                                       Tuple[State, Dict[str, Array]]]:
+                   label_smoothing: float, encoder: evaluation.Encoder = None
+                   ) -> Callable[[State, Dict[str, Array]], Tuple[State, Dict[str, Array]]]:
   """The compiled step as (state, batch) -> (state, metrics summed over tokens)."""
   # Sequence distillation only changes the targets: it shares the plain step (and its compile).
   token_level = distill.mode == 'token'
   teacher_config, teacher_params = teacher if token_level else (None, None)
+  encoder_config, encoder_params = encoder or (None, None)
   step_fn = _make_train_step(config, learning_rate_scale, warmup_steps, seed, z_loss,
                              label_smoothing, 'token' if token_level else 'none', teacher_config,
-                             distill.weight, distill.temperature, distill.divergence)
-  return lambda state, batch: step_fn(state, batch, teacher_params)
+                             distill.weight, distill.temperature, distill.divergence,
+                             encoder_config)
+  return lambda state, batch: step_fn(state, batch, teacher_params, encoder_params)
 
 
 @functools.lru_cache(maxsize=8)
 def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmup_steps: int,
                      seed: int, z_loss: float, label_smoothing: float, distillation: str,
                      teacher_config: Optional[network.T5Config], kd_weight: float,
-                     kd_temperature: float, kd_divergence: str = 'forward_kl'):
-  """The jitted step: (state, batch, teacher_params) -> (state, metrics summed over tokens).
+                     kd_temperature: float, kd_divergence: str = 'forward_kl',
+                     encoder_config: Optional[network.T5Config] = None):
+  """The jitted step: (state, batch, teacher_params, encoder_params) -> (state, metrics summed
+  over tokens); encoder_params (with `encoder_config`): the frozen encoder a decoder-only config
+  reads.
 
   Cached on its (hashable) hyperparameters so that runs in one process (a resumed run, tests)
   reuse the compiled step.
@@ -561,17 +610,18 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
   model = network.Transformer(config)
   teacher = network.Transformer(teacher_config) if teacher_config is not None else None
 
-  def step_fn(state, batch, teacher_params):
+  def step_fn(state, batch, teacher_params, encoder_params):
     # Dropout masks depend only on (seed, step): a resumed run draws the same masks.
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), state['step'])
     args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
             batch['decoder_target_tokens'], batch['encoder_segment_ids'],
             batch['decoder_segment_ids'])
     weights = batch['decoder_loss_weights']
+    encoded = evaluation.encode_for(encoder_config, encoder_params, args[0], args[3])
 
     def loss_fn(params):
       logits = model.apply({'params': params}, *args, enable_dropout=True,
-                           rngs={'dropout': rng})
+                           rngs={'dropout': rng}, encoded=encoded)
       loss, metrics = evaluation.cross_entropy_with_z_loss(
           logits, batch['decoder_target_tokens'], weights, z_loss, label_smoothing)
       if distillation == 'token':

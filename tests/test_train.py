@@ -196,3 +196,40 @@ def test_token_distillation_sequences(multi30k, tmp_path, sequences):
 def test_unknown_kd_sequences_is_one_line():
   with pytest.raises(ValueError, match='kd_sequences must be one of'):
     train_lib._Distillation('token', 't.msgpack', 1.0, 1.0, None, 'forward_kl', 'beam')
+
+
+def test_a_decoder_only_draft_trains_over_a_frozen_encoder(multi30k, tmp_path, capsys):
+  """train.encoder: the target's encoder runs frozen inside the step and the evaluation;
+  init_partial takes a separate draft's decoder; the export loads as a pair's draft."""
+  target_config = _tiny_config(dropout_rate=0.0, emb_dim=24)
+  target, _ = network.init_params(target_config, jax.random.PRNGKey(4))
+  target_path = tmp_path / 'target.msgpack'
+  checkpoints.export_weights(target, target_config, target_path)
+  separate, _ = network.init_params(_tiny_config(), jax.random.PRNGKey(5))
+  separate_path = tmp_path / 'separate.msgpack'
+  checkpoints.export_weights(separate, _tiny_config(), separate_path)
+  config = _tiny_config(num_encoder_layers=0, encoded_width=24)
+  with pytest.raises(ValueError, match='needs train.encoder'):
+    _run(tmp_path / 'none', multi30k, 1, config=config)
+  with pytest.raises(ValueError, match='has emb_dim 16, but the config reads encoder outputs '
+                     'of width 24'):
+    _run(tmp_path / 'wrong', multi30k, 1, config=config, encoder=str(separate_path))
+  with pytest.raises(ValueError, match='only for a decoder-only config'):
+    _run(tmp_path / 'extra', multi30k, 1, encoder=str(target_path))
+  out = tmp_path / 'draft.msgpack'
+  _run(tmp_path / 'draft', multi30k, 6, config=config, encoder=str(target_path),
+       init_from=str(separate_path), init_partial=True, eval_every=3, eval_bleu_examples=4,
+       export_path=str(out), learning_rate_scale=1.0)
+  losses = _losses(tmp_path / 'draft')
+  assert losses[-1] < losses[0], losses
+  evals = [r for r in _records(tmp_path / 'draft') if 'eval' in r]
+  assert evals and 'bleu' in evals[0]['eval']['validation']
+  draft_config, draft = checkpoints.load_model(out)
+  assert draft_config == config and 'encoder' not in draft
+  # All of the separate draft's decoder was taken but the cross-attention keys and values,
+  # which read width 24 here.
+  fresh = ('decoder/layers_0/encoder_decoder_attention/key/kernel, '
+           'decoder/layers_0/encoder_decoder_attention/value/kernel')
+  assert f'15 of 17 parameters taken; fresh: {fresh}' in capsys.readouterr().out
+  key = draft['decoder']['layers_0']['encoder_decoder_attention']['key']['kernel']
+  assert key.shape == (24, 16)
