@@ -1,10 +1,12 @@
 """Run in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 (see test_partitioning).
 
-Decodes one batch with greedy speculative sampling and greedy BiLD on a single device and on
+Decodes one batch with greedy speculative sampling (with a separate draft and with a
+decoder-only draft that reads the target's encoder) and greedy BiLD on a single device and on
 (data, model) meshes given on the command line; prints one JSON line with, per mesh and
 algorithm, whether decodes/scores/stats equal the single-device ones and the shardings seen.
 """
 
+import dataclasses
 import json
 import sys
 import time
@@ -39,14 +41,20 @@ def main(mesh_shapes):
   enc = rng.integers(2, 64, (8, 8)).astype(np.int32)
   enc[:, 6:] *= (rng.random((8, 2)) < 0.5)  # ragged inputs
   batch = {'encoder_input_tokens': enc, 'decoder_input_tokens': np.zeros((8, 10), np.int32)}
+  # The same draft decoder without an encoder of its own: it reads the target's.
+  reader_cfg = dataclasses.replace(draft_cfg, num_encoder_layers=0,
+                                   encoded_width=target_cfg.emb_dim)
+  reader = {**params, 'draft': {k: v for k, v in params['draft'].items() if k != 'encoder'}}
+  greedy = (decoding.speculative_sample, {'gamma': 3, 'temperature': 0.0})
   algorithms = {
-      'speculative': (decoding.speculative_sample, {'gamma': 3, 'temperature': 0.0}),
+      'speculative': (*greedy, draft_cfg, params),
       'bild': (decoding.bild_decode, {'fallback_threshold': 0.3, 'rollback_threshold': 2.0,
-                                      'max_small_steps': 3}),
+                                      'max_small_steps': 3}, draft_cfg, params),
+      'decoder_only_draft': (*greedy, reader_cfg, reader),
   }
   report = {'devices': jax.device_count(), 'results': {}}
   start = time.time()
-  for name, (fn, kwargs) in algorithms.items():
+  for name, (fn, kwargs, draft_cfg, params) in algorithms.items():
     model = models.EncoderDecoderModel(target_cfg, draft_cfg, decode_fn=fn, decode_kwargs=kwargs,
                                        eos_id=1)
     with jax.default_device(jax.devices()[0]):

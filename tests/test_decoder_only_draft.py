@@ -117,3 +117,22 @@ def test_decoding_alone_over_a_given_encoder(tmp_path):
       TARGET_CFG, decode_fn=decoding.temperature_sample, decode_kwargs={'temperature': 0.0},
       eos_id=63).predict_batch({'target': rounded}, _batch(3))
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_a_pair_loads_and_decodes_with_a_decoder_only_draft(tmp_path):
+  """pipeline.load_pair reads a decoder-only draft's weights file; the Pipeline decodes with it
+  (here the target's own decoder: every proposal is kept, the output is the target's)."""
+  from speculative_t5x import data, pipeline  # pylint: disable=g-import-not-at-top
+  config = tiny_config(vocab_size=data.padded_vocab_size(), logits_via_embedding=True)
+  target, _ = network.init_params(config, jax.random.PRNGKey(7))
+  reader_config = dataclasses.replace(config, num_encoder_layers=0, encoded_width=config.emb_dim)
+  checkpoints.export_weights(target, config, tmp_path / 'target.msgpack')
+  checkpoints.export_weights({k: v for k, v in target.items() if k != 'encoder'}, reader_config,
+                             tmp_path / 'draft.msgpack')
+  pair = pipeline.load_pair(tmp_path / 'target.msgpack', tmp_path / 'draft.msgpack')
+  assert pair.draft_config == reader_config
+  pipe = pipeline.Pipeline(pair, batch_size=2, max_output_length=8)
+  texts = ['Ein Hund rennt.', 'Zwei Kinder spielen im Park.']
+  ours = pipe.decode(texts, gamma=2)
+  np.testing.assert_array_equal(ours.tokens, pipe.decode(texts, 'target').tokens)
+  np.testing.assert_array_equal(ours.stats['rollbacks'], 0)

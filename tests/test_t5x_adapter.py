@@ -320,8 +320,8 @@ def test_get_initial_variables_has_both_models():
   assert set(variables['params_axes']) == {'target', 'draft'}
 
 
-def _tiny_model(**kwargs):
-  target_cfg, draft_cfg = tiny_config(), tiny_config(num_decoder_layers=1)
+def _tiny_model(draft_cfg=None, **kwargs):
+  target_cfg, draft_cfg = tiny_config(), draft_cfg or tiny_config(num_decoder_layers=1)
   kwargs.setdefault('decode_kwargs', {'gamma': 2, 'temperature': 0.0})
   model = ADAPTER(network.Transformer(target_cfg), network.Transformer(draft_cfg), None, None,
                   **kwargs)
@@ -340,6 +340,20 @@ def test_t5x_model_matches_pair_model():
   # Jitted: a whole decode compiles once instead of op by op.
   np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, batch),
                                 jax.jit(pair.predict_batch)(params, batch))
+
+
+def test_a_decoder_only_draft_through_the_adapter():
+  """A T5X job whose draft reads the target's encoder: T5X's initial variables hold no draft
+  encoder, and the greedy decode is the target's."""
+  reader = tiny_config(num_decoder_layers=1, num_encoder_layers=0, encoded_width=16)
+  model, params, batch, (target_cfg, _) = _tiny_model(reader)
+  shapes = {'encoder_input_tokens': (2, 8), 'decoder_input_tokens': (2, 6)}
+  initial = model.get_initial_variables(jax.random.PRNGKey(0), shapes)
+  assert 'encoder' not in initial['params']['draft']
+  alone = models.EncoderDecoderModel(target_cfg, decode_fn=decoding.temperature_sample,
+                                     decode_kwargs={'temperature': 0.0}, eos_id=1)
+  np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, batch),
+                                jax.jit(alone.predict_batch)(params, batch))
 
 
 def test_speculative_beam_search_through_the_adapter():
