@@ -10,11 +10,12 @@
                  and the float32_logits option
   scale          T5 1.1 large/XL/XXL + small compiled for 8 fake devices: memory, loop
                  collectives, step costs, T5X's loop beside, roofline onto TPU v4/v5e/H100
-                 (results/scale/; helpers: compiled, roofline, scale_t5x)
+                 (recorded in results/scale/; helpers: compiled, roofline, scale_t5x)
   accelerator    steps and loops at T5 1.1 large/XL shapes on a GPU/TPU beside the projection
-                 (results/gpu/; --tiny on CPU)
+                 (recorded in results/gpu/; --tiny on CPU)
 
 All of them share `harness` (the pair, test-split batches, per-shape compilation, round-robin
 timing, machine probes) and its flags (--sentences 1:80,8:160, --gammas 1,2,auto, --rounds N,
---machine, --out_dir, --data_dir), and write results/<machine>/<name>.json and <name>.md.
+--machine, --out_dir, --data_dir), and write runs/<machine>/<name>.json and <name>.md (the
+recorded runs: `--out_dir results/<machine>`).
 """

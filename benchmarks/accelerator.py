@@ -1,6 +1,6 @@
 """Step and loop times at T5 1.1 large/XL shapes on an accelerator, beside the roofline projection.
 
-  python -m benchmarks.accelerator                       # a GPU machine: results/gpu/
+  python -m benchmarks.accelerator --out_dir results/gpu  # a GPU machine
   python -m benchmarks.accelerator --tiny --machine cpu  # tiny configs on any machine (tests)
 
 Random weights (nothing to download), the shipped T5 1.1 configs (target --sizes, draft small),

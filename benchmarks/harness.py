@@ -14,8 +14,9 @@ order, `batch:N` per batch size (`--sentences 1:80,8:160`), in fixed shapes: out
 encoder width each batch's longest input rounded up to --input_length_step (0: 64), the last
 batch padded with all-zero rows.
 
-Every command writes <out_dir>/<name>.json and <name>.md, out_dir defaulting to
-results/<machine> (`--machine`, default cpu).
+Every command writes <out_dir>/<name>.json and <name>.md, out_dir defaulting to runs/<machine>
+(`--machine`, default cpu; runs/ is not tracked, so a trial run leaves the committed results
+alone); the recorded runs name `--out_dir results/<machine>`.
 """
 
 from __future__ import annotations
@@ -183,14 +184,21 @@ def parser(doc: str, *, sentences: str, gammas: Optional[str] = None, rounds: in
   p.add_argument('--piece_batches', type=int, default=PIECE_BATCHES,
                  help="batches of a pass run before the next configuration's turn (a round's "
                       'passes take turns piece by piece)')
-  p.add_argument('--machine', default='cpu', help='results go to results/<machine>/')
-  p.add_argument('--out_dir', default=None, help='overrides results/<machine>')
+  output_flags(p)
   p.add_argument('--data_dir', default=None, help='folder holding multi30k/ (default: '
                  f'${data.DATA_ENV_VAR} or ../shared/data)')
   p.add_argument('--input_length_step', type=int, default=INPUT_LENGTH_STEP,
                  help="encoder width: each batch's longest input rounded up to a multiple of "
                       f'this (0: every batch padded to {INPUT_LENGTH})')
   return p
+
+
+def output_flags(p: argparse.ArgumentParser) -> None:
+  """--machine and --out_dir, where every command writes (`out_dir`)."""
+  p.add_argument('--machine', default='cpu', help='names the machine: results go to '
+                 'runs/<machine>/ unless --out_dir')
+  p.add_argument('--out_dir', default=None, help='default runs/<machine> (untracked); the '
+                 'recorded results: results/<machine>')
 
 
 def parse_sentences(spec: str) -> Dict[int, int]:
@@ -632,7 +640,7 @@ def meta(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
 
 
 def out_dir(args: argparse.Namespace) -> Path:
-  return Path(args.out_dir) if args.out_dir else Path('results') / args.machine
+  return Path(args.out_dir) if args.out_dir else Path('runs') / args.machine
 
 
 def _json_ready(value: Any) -> Any:

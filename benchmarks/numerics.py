@@ -56,8 +56,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--gammas', default='2,4', help='greedy speculative gammas')
   p.add_argument('--rounds', type=int, default=15,
                  help='timed round-robin rounds of the float32_logits cost (0: not timed)')
-  p.add_argument('--machine', default='cpu', help='results go to results/<machine>/')
-  p.add_argument('--out_dir', default=None, help='overrides results/<machine>')
+  harness.output_flags(p)
   p.add_argument('--data_dir', default=None, help='folder holding multi30k/ (default: '
                  f'${data.DATA_ENV_VAR} or ../shared/data)')
   p.add_argument('--input_length_step', type=int, default=harness.INPUT_LENGTH_STEP,

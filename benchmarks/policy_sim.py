@@ -23,7 +23,7 @@ seeds: the policy's time on the first pass (a fresh job, its whole search includ
 benchmarks.speed times 'auto') and on the later passes (a long job's later batches, the
 measurements carried over), relative to the best fixed choice and to the plain decoder (> 1:
 the policy is faster), and the batches it ran per choice. Deterministic for a seed. Writes
-results/<machine>/policy_sim.json and .md.
+runs/<machine>/policy_sim.json and .md (`--out_dir`).
 """
 
 from __future__ import annotations
@@ -267,8 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   p.add_argument('--seeds', type=int, default=30, help='simulated jobs per scenario')
   p.add_argument('--sentences', type=int, default=192, help='sentences per pass')
   p.add_argument('--passes', type=int, default=4, help='passes per job (the first untimed)')
-  p.add_argument('--machine', default='cpu', help='results go to results/<machine>/')
-  p.add_argument('--out_dir', default=None, help='overrides results/<machine>')
+  harness.output_flags(p)
   args = p.parse_args(argv)
   results = {'meta': {'command': harness.command_line(NAME, argv), 'seeds': args.seeds,
                       'sentences': args.sentences, 'passes': args.passes},

@@ -27,7 +27,7 @@ if [[ -z "${SKIP_INSTALL:-}" ]]; then
   "${PYTHON:-python}" -m pip install -q -e '.[bench]' ${jax_extra:+"$jax_extra"}
 fi
 "${PYTHON:-python}" -c 'import jax; print("devices:", jax.devices())'
-"${PYTHON:-python}" -m benchmarks.accelerator --machine "$machine" "$@"
+"${PYTHON:-python}" -m benchmarks.accelerator --machine "$machine" --out_dir "results/$machine" "$@"
 if [[ "${CALIBRATE:-1}" != 0 ]]; then
   "${PYTHON:-python}" -m speculative_t5x.calibrate --check --batch_sizes 1,8,32 \
     --output_dir "results/$machine/calibration"

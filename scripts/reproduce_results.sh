@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reruns the benchmarks behind the README's results table on this machine, one after another:
 #
-#   scripts/reproduce_results.sh [OUT]     # OUT defaults to results/<machine> (the benchmarks' own)
+#   scripts/reproduce_results.sh [OUT]     # OUT defaults to results/cpu
 #
 # Needs the data folder ($SPECULATIVE_T5X_DATA, default ../shared/data) and the [bench] extra:
 #   pip install -e '.[bench]'
@@ -12,9 +12,7 @@
 # The T5X column (benchmarks.vs_t5x) needs a private T5X install: see docs/t5x.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-}"
-out_args=()
-[[ -z "$OUT" ]] || out_args=(--out_dir "$OUT")
+out_args=(--out_dir "${1:-results/cpu}")
 
 # name: the benchmark module, then the flags of the run the README reports.
 declare -A RUNS=(
