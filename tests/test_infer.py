@@ -256,6 +256,28 @@ def test_block_verification_and_trees_run_in_the_job(setup, tmp_path):
   assert outputs['block'] == outputs['chain'] == outputs['tree']
 
 
+def test_a_decoder_only_draft_runs_in_the_job(setup, tmp_path):
+  """A draft checkpoint with no encoder (it reads the target's): the job loads it by its config
+  and writes the target's greedy predictions."""
+  reader = dataclasses.replace(DRAFT, num_encoder_layers=0, encoded_width=TARGET.emb_dim)
+  params = checkpoints.load_checkpoint(setup / 'draft', DRAFT)
+  checkpoints.save_params(tmp_path / 'reader', {k: v for k, v in params.items() if k != 'encoder'})
+  source = tmp_path / 'in.txt'
+  source.write_text('\n'.join(_german_lines(4)) + '\n', encoding='utf-8')
+  predictions = {}
+  for name, draft_config, path in (('separate', DRAFT, setup / 'draft'),
+                                   ('reader', reader, tmp_path / 'reader')):
+    model = models.EncoderDecoderModel(TARGET, draft_config, decode_fn=decoding.speculative_sample,
+                                       decode_kwargs={'gamma': 3, 'temperature': 0.0},
+                                       input_vocabulary=_model().input_vocabulary,
+                                       output_vocabulary=_model().output_vocabulary)
+    summary = _infer(setup, tmp_path / name, source, model=model, output_ids=True,
+                     draft_checkpoint_path=str(path))
+    assert summary['tokens_per_target_call'] >= 1.0
+    predictions[name] = [r['prediction_tokens'] for r in _outputs(tmp_path / name)]
+  assert predictions['reader'] == predictions['separate']
+
+
 # ------------------------------------------------------------------------------------------------
 # Kill and resume.
 
