@@ -231,10 +231,13 @@ def test_sharded_decoding_equals_single_device():
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   report = json.loads(lines[-1][len('RESULT '):])
   assert report['devices'] == 8
+  assert set(report['results']) == {'speculative', 'bild', 'decoder_only_draft'}
   for name, result in report['results'].items():
     # The batch must exercise both acceptance and rejection, or equality proves little.
     assert result['ref_accepted'] > 0 and result['ref_rollbacks'] > 0, (name, result)
     for shape, model_shards in (('8x1', 1), ('4x2', 2), ('2x4', 4)):
+      if name == 'decoder_only_draft' and shape != '2x4':
+        continue  # the worker runs it on the last mesh only
       got = result[shape]
       assert got['decodes_equal'] and got['aux_equal'], (name, shape, got)
       assert got['decodes_spec'] == "P('data',)"
