@@ -3,7 +3,7 @@
 #
 #   scripts/train_pair.sh [OUT]        # OUT defaults to runs/pair
 #
-# Stages (each a `speculative_t5x.train` job of the named gin file, about 5 hours in all on a
+# Stages (each a `speculative_t5x.train` job of the named gin file, about 6 hours in all on a
 # 2-core CPU):
 #   1 target            multi30k_target.gin                 -> OUT/target.msgpack
 #   2 undistilled draft multi30k_draft.gin                  -> OUT/draft_undistilled.msgpack
@@ -13,6 +13,8 @@
 #     (all 29,000; the embedded draft)
 #   5 token distill     multi30k_draft_token_distill_mixed.gin -> OUT/draft_token_mixed.msgpack
 #     (for sampling: the target's distributions over real and greedy targets)
+#   6 decoder-only draft multi30k_draft_decoder_only.gin     -> OUT/draft_decoder_only.msgpack
+#     (stage 4's decoder over the target's frozen encoder, token-distilled as stage 5)
 #
 # Every path a stage reads or writes is redirected into OUT, so the shipped weights in
 # speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
@@ -24,7 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/pair}"
 FIRST="${FIRST:-1}"
-LAST="${LAST:-5}"
+LAST="${LAST:-6}"
 DRY_RUN="${DRY_RUN:-}"
 [[ -n "$DRY_RUN" ]] || mkdir -p "$OUT"
 
@@ -65,4 +67,8 @@ stage 4 draft multi30k_draft_seq_distill_full.gin "$teacher" \
 stage 5 draft_token_mixed multi30k_draft_token_distill_mixed.gin "$teacher" \
   --gin.train.init_from="'$OUT/draft.msgpack'" \
   --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
-[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack)."
+stage 6 draft_decoder_only multi30k_draft_decoder_only.gin "$teacher" \
+  --gin.train.encoder="'$OUT/target.msgpack'" \
+  --gin.train.init_from="'$OUT/draft.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack)."
