@@ -57,11 +57,11 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
 
 def _check_reads(config: network.T5Config, encoder_config: Optional[network.T5Config],
                  name: str) -> None:
-  """Raises a one-line ValueError unless a decoder-only `config` can read the encoder output
-  of the model of `encoder_config`."""
+  """Raises a one-line ValueError unless `config` has an encoder or can read the encoder
+  output of the model of `encoder_config`."""
   if config.has_encoder:
     return
-  if encoder_config is config or not encoder_config.has_encoder:
+  if encoder_config is None or not encoder_config.has_encoder:
     raise ValueError(f'The {name} is decoder-only (encoded_width {config.encoded_width}): it '
                      'needs a model with an encoder to read.')
   if config.encoded_width != encoder_config.emb_dim:
@@ -106,7 +106,7 @@ class EncoderDecoderModel:
     if encoder_config is not None and target_config.has_encoder:
       raise ValueError('encoder_config is for a decoder-only target; this target has an encoder.')
     self.encoder_module = network.Transformer(encoder_config) if encoder_config else None
-    _check_reads(target_config, encoder_config or target_config, 'target')
+    _check_reads(target_config, encoder_config, 'target')
     self.draft_config = draft_config
     self.module = network.Transformer(target_config)
     self.draft_module = network.Transformer(draft_config) if draft_config else None
