@@ -639,6 +639,16 @@ def meta(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
           'output_length': OUTPUT_LENGTH, **extra}
 
 
+def repo_path(path: str) -> str:
+  """`path` relative to the repository when it lies inside it (results name no machine's
+  folders), else as given."""
+  root = Path(__file__).resolve().parents[1]
+  try:
+    return str(Path(path).resolve().relative_to(root))
+  except ValueError:
+    return path
+
+
 def out_dir(args: argparse.Namespace) -> Path:
   return Path(args.out_dir) if args.out_dir else Path('runs') / args.machine
 
