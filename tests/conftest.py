@@ -9,10 +9,13 @@ from typing import List
 # The tests check what programs compute, not how fast they run, and XLA:CPU's backend (LLVM)
 # optimisation is most of the compile time of the many small programs here: level 0 took
 # tests/test_fast_path.py from 321 s to 191 s and two chi-square tests from 119 s to 70 s
-# (2-core CPU). Set before JAX starts; subprocesses inherit it; an explicit level wins.
-if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+# (2-core CPU). XLA:CPU's newer fusion emitters cost as much again: without them the decode
+# loops of tests/test_fast_path.py compiled in 8.5-10 s instead of 16-23 s. Set before JAX
+# starts; subprocesses inherit them; a flag the user set wins.
+for _flag, _value in (('xla_backend_optimization_level', '0'),
+                      ('xla_cpu_use_fusion_emitters', 'false')):
+  if _flag not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 # One persistent compilation cache per test run, shared by the xdist workers (this file is
 # loaded by pytest's main process before it starts them, and they inherit the variable) and by

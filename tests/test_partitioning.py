@@ -222,8 +222,8 @@ def test_decode_variables_are_sharded_like_the_embedding():
 
 def test_sharded_decoding_equals_single_device():
   """8 simulated CPU devices in a subprocess (the flag must precede JAX's initialisation)."""
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8 '
-             '--xla_backend_optimization_level=0', JAX_PLATFORMS='cpu')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip())
   worker = pathlib.Path(__file__).with_name('sharding_worker.py')
   proc = subprocess.run([sys.executable, str(worker), '8x1', '4x2', '2x4'], env=env,
                         capture_output=True, text=True, timeout=900)

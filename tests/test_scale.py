@@ -26,7 +26,11 @@ GAMMA = 3
 def report(tmp_path_factory: pytest.TempPathFactory):
   """(results JSON, markdown) of the tiny sweep on the (1, 8) mesh, both draft placements."""
   out = tmp_path_factory.mktemp('scale')
-  env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS (opt level 0) carry over
+  # The collective counts below are read from the programs XLA builds for users: conftest's
+  # compile-time flag that swaps XLA:CPU's fusion emitters changes how its all-reduces combine
+  # (opt level 0 carries over: it only changes LLVM's code).
+  flags = os.environ.get('XLA_FLAGS', '').replace('--xla_cpu_use_fusion_emitters=false', '')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=flags)
   proc = subprocess.run(
       [sys.executable, '-m', 'benchmarks.scale', '--tiny', '--meshes', '1x8', '--batches', '8',
        '--gammas', str(GAMMA), '--projection_gammas', str(GAMMA), '--out_dir', str(out)],
