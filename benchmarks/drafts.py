@@ -68,7 +68,7 @@ def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],
                        f'{pair.target_config.vocab_size}.')
     reads = None if pair.draft_config.has_encoder else (pair.target_config,
                                                           pair.params['target'])
-    outputs = evaluation.greedy_translate(
+    outputs = evaluation.translate(
         pair.draft_config, pair.params['draft'], data.encode(sources, harness.INPUT_LENGTH),
         harness.INPUT_LENGTH, harness.OUTPUT_LENGTH, encoder=reads)
     info[name] = {

@@ -15,6 +15,8 @@
 #     (for sampling: the target's distributions over real and greedy targets)
 #   6 decoder-only draft multi30k_draft_decoder_only.gin     -> OUT/draft_decoder_only.msgpack
 #     (stage 4's decoder over the target's frozen encoder, token-distilled as stage 5)
+#   7 on-policy round   multi30k_draft_decoder_only_on_policy.gin -> OUT/draft_decoder_only_on_policy.msgpack
+#     (stage 6's draft on the target's greedy outputs and its own samples)
 #
 # Every path a stage reads or writes is redirected into OUT, so the shipped weights in
 # speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
@@ -26,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/pair}"
 FIRST="${FIRST:-1}"
-LAST="${LAST:-6}"
+LAST="${LAST:-7}"
 DRY_RUN="${DRY_RUN:-}"
 [[ -n "$DRY_RUN" ]] || mkdir -p "$OUT"
 
@@ -71,4 +73,8 @@ stage 6 draft_decoder_only multi30k_draft_decoder_only.gin "$teacher" \
   --gin.train.encoder="'$OUT/target.msgpack'" \
   --gin.train.init_from="'$OUT/draft.msgpack'" \
   --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
-[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack)."
+stage 7 draft_decoder_only_on_policy multi30k_draft_decoder_only_on_policy.gin "$teacher" \
+  --gin.train.encoder="'$OUT/target.msgpack'" \
+  --gin.train.init_from="'$OUT/draft_decoder_only.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack)."

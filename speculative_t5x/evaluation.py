@@ -4,10 +4,11 @@ What the training job measures and what it learns from, apart from the loop itse
 
   * `cross_entropy_with_z_loss` (T5X's loss) and `distillation_loss` (token distillation's
     divergence: forward or reverse KL, JSD or total variation);
-  * `greedy_translate`: greedy outputs through the decoders' own loop
-    (`decoding.temperature_sample` at temperature 0), in fixed shapes;
+  * `translate`: greedy outputs (or samples) through the decoders' own loop
+    (`decoding.temperature_sample`), in fixed shapes;
   * `evaluate`: per-token loss and accuracy over a split, and corpus BLEU of greedy outputs;
-  * `sequence_distillation_targets`: a teacher's greedy outputs as a draft's training targets.
+  * `sequence_distillation_targets`: a model's greedy outputs (or samples) as a draft's training
+    targets, cached.
 
 Shapes: `batch` rows, `length` token positions, `vocab` output classes.
 """
@@ -118,46 +119,54 @@ def distillation_loss(logits: Array, teacher_logits: Array, weights: Array, temp
 
 
 # ------------------------------------------------------------------------------------------------
-# Greedy decoding: the decoders' own loop (decoding.temperature_sample at temperature 0).
+# Decoding: the decoders' own loop (decoding.temperature_sample).
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'max_length', 'encoder_config'))
-def _greedy_decode(config: network.T5Config, params: PyTree, encoder_input_tokens: Array,
-                   max_length: int, encoder_config: Optional[network.T5Config] = None,
-                   encoder_params: Optional[PyTree] = None) -> Array:
-  """Greedy outputs [batch, max_length] for encoder_input_tokens [batch, enc_length].
+@functools.partial(jax.jit, static_argnames=('config', 'max_length', 'temperature',
+                                             'encoder_config'))
+def _decode(config: network.T5Config, params: PyTree, encoder_input_tokens: Array,
+            max_length: int, rng: jax.Array, temperature: float = 0.0,
+            encoder_config: Optional[network.T5Config] = None,
+            encoder_params: Optional[PyTree] = None) -> Array:
+  """Outputs [batch, max_length] for encoder_input_tokens [batch, enc_length]: greedy at
+  temperature 0 (rng unused), else samples at that temperature.
 
   Each row stops at its EOS (later positions are 0); rows that are all padding decode nothing.
   """
   model = models.EncoderDecoderModel(config, decode_fn=decoding.temperature_sample,
-                                     decode_kwargs={'temperature': 0.0}, eos_id=data.EOS_ID,
-                                     encoder_config=encoder_config)
+                                     # topk 0: T5X's default of 1 would be greedy.
+                                     decode_kwargs={'temperature': temperature, 'topk': 0},
+                                     eos_id=data.EOS_ID, encoder_config=encoder_config)
   batch = {'encoder_input_tokens': encoder_input_tokens,
            'decoder_input_tokens': jnp.zeros((encoder_input_tokens.shape[0], max_length),
                                              jnp.int32)}
-  return model.predict_batch({'target': params, 'encoder': encoder_params}, batch)
+  return model.predict_batch({'target': params, 'encoder': encoder_params}, batch, rng)
 
 
 def _encoder_args(encoder: Encoder) -> Dict[str, Any]:
   return {} if encoder is None else {'encoder_config': encoder[0], 'encoder_params': encoder[1]}
 
 
-def greedy_translate(config: network.T5Config, params: PyTree,
-                     token_inputs: Sequence[Sequence[int]], max_input_length: int,
-                     max_length: int, batch_size: int = 128,
-                     log_every: int = 0, encoder: Encoder = None) -> List[List[int]]:
-  """Greedy token outputs (up to and including EOS) for each tokenized input, in fixed shapes."""
+def translate(config: network.T5Config, params: PyTree, token_inputs: Sequence[Sequence[int]],
+              max_input_length: int, max_length: int, batch_size: int = 128,
+              log_every: int = 0, encoder: Encoder = None, temperature: float = 0.0,
+              seed: int = 0) -> List[List[int]]:
+  """Token outputs (up to and including EOS) for each tokenized input, in fixed shapes: greedy
+  at temperature 0, else one sample each at that temperature (batch k drawn with
+  fold_in(PRNGKey(seed), k): the same inputs, batch size and seed give the same samples)."""
   outputs = []
   for start in range(0, len(token_inputs), batch_size):
     chunk = token_inputs[start:start + batch_size]
     enc = data.pad_batch(chunk, None, max_input_length, max_length, batch_size)
-    out = np.asarray(_greedy_decode(config, params, jnp.asarray(enc['encoder_input_tokens']),
-                                    max_length, **_encoder_args(encoder)))
+    rng = jax.random.fold_in(jax.random.PRNGKey(seed), start // batch_size)
+    out = np.asarray(_decode(config, params, jnp.asarray(enc['encoder_input_tokens']),
+                             max_length, rng, temperature, **_encoder_args(encoder)))
     for row in out[:len(chunk)]:
       row = row.tolist()
       outputs.append(row[:row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row)
     if log_every and (start // batch_size) % log_every == 0:
-      print(f'  greedy: {start + len(chunk)}/{len(token_inputs)}', flush=True)
+      what = 'greedy' if temperature == 0 else f'sampled at T={temperature:g}'
+      print(f'  {what}: {start + len(chunk)}/{len(token_inputs)}', flush=True)
   return outputs
 
 
@@ -186,8 +195,8 @@ def evaluate(config: network.T5Config, params: PyTree, sources: Sequence[str],
     results['accuracy'] = totals['accuracy'] / totals['tokens']
   n = len(inputs) if bleu_examples is None else min(bleu_examples, len(inputs))
   if n:
-    outputs = greedy_translate(config, params, inputs[:n], max_input_length, max_target_length,
-                               batch_size, encoder=encoder)
+    outputs = translate(config, params, inputs[:n], max_input_length, max_target_length,
+                        batch_size, encoder=encoder)
     results['bleu'] = data.corpus_bleu(data.decode(outputs), references[:n])
     results['bleu_examples'] = n
   return results
@@ -222,46 +231,63 @@ def encode_for(encoder_config: Optional[network.T5Config], encoder_params: Optio
 # Sequence-level distillation data.
 
 
-def sequence_distillation_targets(teacher_config: network.T5Config, teacher_params: PyTree,
+def sequence_distillation_targets(config: network.T5Config, params: PyTree,
                                   inputs: Sequence[Sequence[int]], max_input_length: int,
                                   max_target_length: int, cache_path: Optional[os.PathLike] = None,
-                                  batch_size: int = 256) -> List[List[int]]:
-  """The teacher's greedy outputs (ending in EOS) for tokenized inputs, cached in an .npz file.
+                                  batch_size: int = 256, temperature: float = 0.0,
+                                  seed: int = 0, encoder: Encoder = None) -> List[List[int]]:
+  """A model's outputs (ending in EOS) for tokenized inputs, as training targets, cached in .npz.
 
-  This is BiLD's "aligned" training set: the draft learns what the target would say, which is
-  what speculative decoding accepts. Outputs that hit max_target_length without EOS get EOS as
-  their last token (as truncation does for real targets). The cache is keyed by the number of
-  inputs and a checksum of them, so a stale file is recomputed.
+  Greedy (temperature 0), the teacher's are BiLD's "aligned" training set: the draft learns
+  what the target would say, which is what greedy speculative decoding accepts. Sampled, the
+  teacher's are the prefixes speculative sampling keeps (each kept token is distributed as the
+  target's), and a student's own are on-policy sequences (DistillSpec). Outputs that hit
+  max_target_length without EOS get EOS as their last token (as truncation does for real
+  targets). The cache is keyed by the number of inputs, a checksum of them, the temperature and
+  the seed, so a stale file is recomputed.
   """
   checksum = int(sum((i + 1) * sum(x) for i, x in enumerate(inputs[:1000])) % (2**31))
-  if cache_path is not None and Path(cache_path).exists():
-    cached = np.load(cache_path)
-    if int(cached['num']) == len(inputs) and int(cached['checksum']) == checksum:
-      tokens, lengths = cached['tokens'], cached['lengths']
-      return [tokens[i, :lengths[i]].tolist() for i in range(len(lengths))]
-    print(f'Distillation cache {cache_path} does not match the inputs; recomputing.', flush=True)
+  key = {'num': len(inputs), 'checksum': checksum, 'temperature': float(temperature),
+         'seed': int(seed) if temperature else 0}
+  cached = _read_targets(cache_path, key)
+  if cached is not None:
+    return cached
   start = time.time()
   # Decode in order of input length: a batch's loop runs until its longest output ends, and
   # output length follows input length, so sorted batches waste far fewer steps on finished rows.
   order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-  sorted_outputs = greedy_translate(teacher_config, teacher_params, [inputs[i] for i in order],
-                                    max_input_length, max_target_length, batch_size,
-                                    log_every=20)
+  sorted_outputs = translate(config, params, [inputs[i] for i in order], max_input_length,
+                             max_target_length, batch_size, log_every=20, encoder=encoder,
+                             temperature=temperature, seed=seed)
   outputs: List[List[int]] = [[] for _ in inputs]
   for i, row in zip(order, sorted_outputs):
-    outputs[i] = row
-  fixed = []
-  for row in outputs:
     if not row or row[-1] != data.EOS_ID:
       row = row[:max_target_length - 1] + [data.EOS_ID]
-    fixed.append(row)
-  print(f'Sequence distillation: {len(fixed)} greedy outputs in {time.time() - start:.0f}s.',
+    outputs[i] = row
+  what = 'greedy outputs' if not temperature else f'samples at T={temperature:g}'
+  print(f'Sequence distillation: {len(outputs)} {what} in {time.time() - start:.0f}s.',
         flush=True)
   if cache_path is not None:
-    tokens = np.zeros((len(fixed), max_target_length), np.int32)
-    for i, row in enumerate(fixed):
+    tokens = np.zeros((len(outputs), max_target_length), np.int32)
+    for i, row in enumerate(outputs):
       tokens[i, :len(row)] = row
     Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(cache_path, tokens=tokens, lengths=np.array([len(r) for r in fixed], np.int32),
-             num=len(fixed), checksum=checksum)
-  return fixed
+    np.savez(cache_path, tokens=tokens, lengths=np.array([len(r) for r in outputs], np.int32),
+             **key)
+  return outputs
+
+
+def _read_targets(cache_path: Optional[os.PathLike], key: Dict[str, Any]
+                  ) -> Optional[List[List[int]]]:
+  """The cached targets if `cache_path` holds those of `key`, else None (a file written before
+  the temperature was part of the key holds greedy outputs)."""
+  if cache_path is None or not Path(cache_path).exists():
+    return None
+  cached = np.load(cache_path)
+  found = {'temperature': 0.0, 'seed': 0, **{k: cached[k].item() for k in cached.files
+                                              if k in key}}
+  if found != key:
+    print(f'Distillation cache {cache_path} does not match the inputs; recomputing.', flush=True)
+    return None
+  tokens, lengths = cached['tokens'], cached['lengths']
+  return [tokens[i, :lengths[i]].tolist() for i in range(len(lengths))]

@@ -44,8 +44,14 @@ Settings (gin: `train.NAME`):
     kd_weight * T^2 D(teacher_T, student_T) over `kd_sequences`).
   kd_sequences: the sequences token distillation runs the teacher and student on: 'data' (the
     real targets), 'teacher' (the teacher's greedy outputs, as sequence distillation's, cached in
-    `distillation_cache`: the prefixes greedy speculative decoding visits) or 'both' (each
-    input twice, once with each).
+    `distillation_cache`: the prefixes greedy speculative decoding visits), 'teacher_samples'
+    (one sample of the teacher's per input at kd_sample_temperature: the prefixes speculative
+    sampling keeps), 'student_samples' (on-policy: one sample of the student's own, drawn from
+    the params it starts from, so meant with init_from; chain runs for more rounds), or several
+    joined by '+', each input once per source ('both' is 'data+teacher'). The teacher's samples
+    are cached beside `distillation_cache` (its name + '.teacher_samples.npz'), the student's
+    in model_dir (student_samples.npz: the samples of this run's start, reused on resume).
+  kd_sample_temperature: the temperature of those samples.
   kd_divergence: D of token distillation: 'forward_kl', 'reverse_kl', 'jsd' or 'tv' (total
     variation, whose complement is speculative sampling's per-token acceptance).
   teacher: the teacher's exported weights file or training folder (distillation only).
@@ -93,8 +99,8 @@ PyTree = Any
 State = Dict[str, Any]
 # A teacher's (config, params), or (None, None) without distillation.
 Teacher = Tuple[Optional[network.T5Config], Optional[PyTree]]
-# Where token distillation's sequences come from (`train`'s kd_sequences).
-KD_SEQUENCES = ('data', 'teacher', 'both')
+# Where token distillation's sequences come from (`train`'s kd_sequences, joined by '+').
+KD_SEQUENCES = ('data', 'teacher', 'teacher_samples', 'student_samples')
 
 # Gin's handle on T5Config (`@network.T5Config()` in gin files); calling it applies the bindings.
 GinT5Config = gin.external_configurable(network.T5Config, module='network')
@@ -182,6 +188,7 @@ def train(*,
           distillation: str = 'none', teacher: Optional[str] = None,
           kd_weight: float = 1.0, kd_temperature: float = 1.0,
           kd_divergence: str = 'forward_kl', kd_sequences: str = 'data',
+          kd_sample_temperature: float = 1.0,
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
           init_from: Optional[str] = None, init_partial: bool = False,
           encoder: Optional[str] = None) -> Dict[str, Any]:
@@ -189,16 +196,17 @@ def train(*,
   Each setting is described in this module's docstring ("Settings").
   """
   distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache,
-                          kd_divergence, kd_sequences)
+                          kd_divergence, kd_sequences, kd_sample_temperature)
   model_dir = _prepare_model_dir(model_dir, config)
   frozen_encoder = _load_encoder(config, encoder)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
                      data_dir, mixture_or_task_name, batch_size, pack, seed)
-  batches, num_pairs, teacher_model = _training_data(dataset, config, distill,
-                                                     max_train_examples, eval_batch_size)
-  validation = dataset.load('validation')[:2]
   state = _initial_state(config, make_optimizer(learning_rate_scale, warmup_steps), seed,
                          init_from, init_partial)
+  batches, num_pairs, teacher_model = _training_data(
+      dataset, config, distill, max_train_examples, eval_batch_size,
+      student=(config, state['params'], frozen_encoder), run_dir=model_dir)
+  validation = dataset.load('validation')[:2]
   checkpointer = _Checkpointer(model_dir / 'checkpoints', checkpoint_every, keep_checkpoints,
                                batches)
   state, progress = checkpointer.restore(state)
@@ -259,7 +267,8 @@ class _Distillation:
   temperature: float
   cache: Optional[str]
   divergence: str = 'forward_kl'
-  sequences: str = 'data'  # token distillation's: 'data', 'teacher' or 'both'
+  sequences: str = 'data'  # token distillation's: KD_SEQUENCES joined by '+', or 'both'
+  sample_temperature: float = 1.0
 
   def __post_init__(self):
     if self.mode not in ('none', 'sequence', 'token'):
@@ -268,13 +277,28 @@ class _Distillation:
     if self.divergence not in evaluation.DIVERGENCES:
       raise ValueError(f'kd_divergence must be one of {evaluation.DIVERGENCES}, not '
                        f'{self.divergence!r}.')
-    if self.sequences not in KD_SEQUENCES:
-      raise ValueError(f'kd_sequences must be one of {KD_SEQUENCES}, not {self.sequences!r}.')
+    sources = ('data+teacher' if self.sequences == 'both' else self.sequences).split('+')
+    if not set(sources) <= set(KD_SEQUENCES):
+      raise ValueError(f"kd_sequences must be one of {KD_SEQUENCES} or several joined by '+', "
+                       f'not {self.sequences!r}.')
+    if self.sample_temperature <= 0:
+      raise ValueError(f'kd_sample_temperature must be > 0, not {self.sample_temperature}.')
 
   @property
-  def uses_teacher_outputs(self) -> bool:
-    """Whether training targets include the teacher's greedy outputs."""
-    return self.mode == 'sequence' or (self.mode == 'token' and self.sequences != 'data')
+  def sources(self) -> Tuple[str, ...]:
+    """Where the training targets come from, each giving one per input (KD_SEQUENCES)."""
+    if self.mode != 'token':
+      return ('teacher',) if self.mode == 'sequence' else ('data',)
+    return tuple(('data+teacher' if self.sequences == 'both' else self.sequences).split('+'))
+
+  def cache_for(self, source: str, run_dir: Path) -> Optional[str]:
+    """The cache file of a decoded source: the teacher's greedy outputs in `cache` itself, its
+    samples beside it, the student's samples (of this run's starting params) in `run_dir`."""
+    if source == 'student_samples':
+      return str(run_dir / 'student_samples.npz')
+    if self.cache is None or source == 'teacher':
+      return self.cache
+    return f'{self.cache}.{source}.npz'
 
   def load_teacher(self, config: network.T5Config) -> Teacher:
     """The teacher's (config, params), or (None, None) without distillation."""
@@ -317,25 +341,31 @@ class _Dataset:
 
 
 def _training_data(dataset: _Dataset, config: network.T5Config, distill: _Distillation,
-                   max_examples: Optional[int],
-                   decode_batch_size: int) -> Tuple[data.PackedBatches, int, Teacher]:
+                   max_examples: Optional[int], decode_batch_size: int,
+                   student: Tuple[network.T5Config, PyTree, evaluation.Encoder],
+                   run_dir: Path) -> Tuple[data.PackedBatches, int, Teacher]:
   """(training batches, number of training pairs, teacher).
 
-  With sequence distillation (and token distillation over the teacher's sequences) the targets
-  are the teacher's greedy outputs for the inputs, decoded `decode_batch_size` rows at a time
-  (or read from the distillation cache); with kd_sequences 'both', each input appears twice.
+  Each of the distillation's sources gives every training input a target: its real one, the
+  teacher's greedy output or sample, or a sample of the student's own (`student`: its config,
+  the params it starts from, the encoder it reads), decoded `decode_batch_size` rows at a time
+  or read from the distillation cache. With several sources each input appears once per source.
   """
   _, _, inputs, targets = dataset.load('train', max_examples=max_examples)
   teacher = distill.load_teacher(config)
-  if distill.uses_teacher_outputs:
-    outputs = evaluation.sequence_distillation_targets(
-        *teacher, inputs, dataset.max_input_length, dataset.max_target_length, distill.cache,
-        decode_batch_size)
-    if distill.mode == 'token' and distill.sequences == 'both':
-      inputs, targets = list(inputs) + list(inputs), list(targets) + outputs
-    else:
-      targets = outputs
-  return dataset.batches(inputs, targets), len(inputs), teacher
+  all_inputs, all_targets = [], []
+  for source in distill.sources:
+    all_inputs += list(inputs)
+    if source == 'data':
+      all_targets += list(targets)
+      continue
+    model, reads = (teacher, None) if source.startswith('teacher') else (student[:2], student[2])
+    all_targets += evaluation.sequence_distillation_targets(
+        *model, inputs, dataset.max_input_length, dataset.max_target_length,
+        distill.cache_for(source, run_dir), decode_batch_size,
+        temperature=0.0 if source == 'teacher' else distill.sample_temperature,
+        seed=dataset.seed, encoder=reads)
+  return dataset.batches(all_inputs, all_targets), len(all_inputs), teacher
 
 
 def _initial_state(config: network.T5Config, tx: optax.GradientTransformation, seed: int,

@@ -170,32 +170,69 @@ def test_token_distillation_runs(multi30k, tmp_path):
   assert all(np.isfinite(kd) and kd > 0 for kd in kd_losses), kd_losses
 
 
-@pytest.mark.parametrize('sequences', ['data', 'teacher', 'both'])
+@pytest.mark.parametrize('sequences', ['data', 'teacher', 'both',
+                                       'data+teacher_samples+student_samples'])
 def test_token_distillation_sequences(multi30k, tmp_path, sequences):
   """kd_sequences picks the pairs token distillation trains on: the real targets, the teacher's
-  greedy outputs (the cache sequence distillation writes), or each input once with each."""
+  greedy outputs (the cache sequence distillation writes), the teacher's or the student's own
+  samples (each in its own cache), or each input once per source."""
   teacher_config = _tiny_config(dropout_rate=0.0)
   params, _ = network.init_params(teacher_config, jax.random.PRNGKey(3))
   weights = tmp_path / 'teacher.msgpack'
   checkpoints.export_weights(params, teacher_config, weights)
+  student = (_tiny_config(), network.init_params(_tiny_config(), jax.random.PRNGKey(4))[0], None)
   cache = tmp_path / 'distill.npz'
   distill = train_lib._Distillation('token', str(weights), 1.0, 1.0, str(cache), 'forward_kl',
                                     sequences)
   dataset = train_lib._Dataset('de', 'en', LENGTH, LENGTH, str(multi30k), None, 4, False, 0)
-  batches, num_pairs, _ = train_lib._training_data(dataset, _tiny_config(), distill, 12, 8)
+  batches, num_pairs, _ = train_lib._training_data(dataset, _tiny_config(), distill, 12, 8,
+                                                   student, tmp_path / 'run')
   _, _, inputs, targets = dataset.load('train', max_examples=12)
-  greedy = ([] if sequences == 'data' else
-            evaluation.sequence_distillation_targets(*distill.load_teacher(_tiny_config()),
-                                                     inputs, LENGTH, LENGTH, cache))
-  expected = {'data': targets, 'teacher': greedy, 'both': list(targets) + greedy}[sequences]
-  assert num_pairs == len(expected)
-  assert cache.exists() == (sequences != 'data')
+  teacher = distill.load_teacher(_tiny_config())
+
+  def decoded(model, temperature):  # as training decodes them: 8 rows a batch, seed 0
+    return evaluation.sequence_distillation_targets(*model, inputs, LENGTH, LENGTH, None, 8,
+                                                    temperature=temperature, seed=0)
+
+  sources = {'data': targets, 'teacher': decoded(teacher, 0.0),
+             'teacher_samples': decoded(teacher, 1.0), 'student_samples': decoded(student[:2], 1.0)}
+  names = ('data+teacher' if sequences == 'both' else sequences).split('+')
+  expected = [row for name in names for row in sources[name]]
+  assert num_pairs == len(expected) == 12 * len(names)
+  assert cache.exists() == ('teacher' in names)
+  assert (tmp_path / 'distill.npz.teacher_samples.npz').exists() == ('teacher_samples' in names)
+  assert (tmp_path / 'run' / 'student_samples.npz').exists() == ('student_samples' in names)
   assert sorted(map(tuple, batches.targets)) == sorted(map(tuple, expected))
+
+
+def test_sampled_targets_are_seeded_and_cached_by_temperature(multi30k, tmp_path):
+  """Samples at T=1 differ from the greedy outputs, repeat with their seed, differ with another;
+  the cache holds one temperature and seed and is recomputed for another."""
+  config = _tiny_config(dropout_rate=0.0)
+  params, _ = network.init_params(config, jax.random.PRNGKey(5))
+  sources, _ = data.load_split('train', 'de', 'en', multi30k)
+  inputs = data.encode(sources[:16], LENGTH)
+  cache = tmp_path / 'samples.npz'
+
+  def targets(temperature, seed):
+    return evaluation.sequence_distillation_targets(config, params, inputs, LENGTH, LENGTH, cache,
+                                                    8, temperature=temperature, seed=seed)
+
+  greedy, sampled = targets(0.0, 0), targets(1.0, 0)
+  assert sampled != greedy and all(row[-1] == data.EOS_ID for row in sampled)
+  assert float(np.load(cache)['temperature']) == 1.0
+  assert targets(1.0, 0) == sampled and targets(1.0, 1) != sampled
+  assert targets(0.0, 7) == greedy  # the seed of greedy outputs is no part of their key
 
 
 def test_unknown_kd_sequences_is_one_line():
   with pytest.raises(ValueError, match='kd_sequences must be one of'):
     train_lib._Distillation('token', 't.msgpack', 1.0, 1.0, None, 'forward_kl', 'beam')
+  with pytest.raises(ValueError, match='kd_sequences must be one of'):
+    train_lib._Distillation('token', 't.msgpack', 1.0, 1.0, None, 'forward_kl', 'data+beam')
+  with pytest.raises(ValueError, match='kd_sample_temperature must be > 0'):
+    train_lib._Distillation('token', 't.msgpack', 1.0, 1.0, None, 'forward_kl',
+                            'teacher_samples', 0.0)
 
 
 def test_a_decoder_only_draft_trains_over_a_frozen_encoder(multi30k, tmp_path, capsys):
@@ -233,3 +270,13 @@ def test_a_decoder_only_draft_trains_over_a_frozen_encoder(multi30k, tmp_path, c
   assert f'15 of 17 parameters taken; fresh: {fresh}' in capsys.readouterr().out
   key = draft['decoder']['layers_0']['encoder_decoder_attention']['key']['kernel']
   assert key.shape == (24, 16)
+  # An on-policy round: the exported draft's own samples, drawn over the target's encoder.
+  _run(tmp_path / 'round', multi30k, 1, config=config, encoder=str(target_path),
+       init_from=str(out), distillation='token', teacher=str(target_path),
+       kd_sequences='student_samples', max_train_examples=8, eval_batch_size=8)
+  cached = np.load(tmp_path / 'round' / 'student_samples.npz')
+  sources, _ = data.load_split('train', 'de', 'en', multi30k)
+  want = evaluation.sequence_distillation_targets(
+      config, draft, data.encode(sources[:8], LENGTH), LENGTH, LENGTH, None, 8, temperature=1.0,
+      encoder=(target_config, target))
+  assert [cached['tokens'][i, :n].tolist() for i, n in enumerate(cached['lengths'])] == want
