@@ -3,7 +3,7 @@
 #
 #   scripts/train_pair.sh [OUT]        # OUT defaults to runs/pair
 #
-# Stages (each a `speculative_t5x.train` job of the named gin file, about 6 hours in all on a
+# Stages (each a `speculative_t5x.train` job of the named gin file, about 8 hours in all on a
 # 2-core CPU):
 #   1 target            multi30k_target.gin                 -> OUT/target.msgpack
 #   2 undistilled draft multi30k_draft.gin                  -> OUT/draft_undistilled.msgpack
