@@ -277,8 +277,7 @@ class _Distillation:
     if self.divergence not in evaluation.DIVERGENCES:
       raise ValueError(f'kd_divergence must be one of {evaluation.DIVERGENCES}, not '
                        f'{self.divergence!r}.')
-    sources = ('data+teacher' if self.sequences == 'both' else self.sequences).split('+')
-    if not set(sources) <= set(KD_SEQUENCES):
+    if not set(self._sequence_sources) <= set(KD_SEQUENCES):
       raise ValueError(f"kd_sequences must be one of {KD_SEQUENCES} or several joined by '+', "
                        f'not {self.sequences!r}.')
     if self.sample_temperature <= 0:
@@ -289,6 +288,10 @@ class _Distillation:
     """Where the training targets come from, each giving one per input (KD_SEQUENCES)."""
     if self.mode != 'token':
       return ('teacher',) if self.mode == 'sequence' else ('data',)
+    return self._sequence_sources
+
+  @property
+  def _sequence_sources(self) -> Tuple[str, ...]:
     return tuple(('data+teacher' if self.sequences == 'both' else self.sequences).split('+'))
 
   def cache_for(self, source: str, run_dir: Path) -> Optional[str]:
