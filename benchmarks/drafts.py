@@ -153,8 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   sources, references = harness.test_split(args.data_dir)
   bleu_count = args.bleu_sentences or len(sources)
   pairs, info = load_drafts(args.target, drafts, sources[:bleu_count], references[:bleu_count])
-  results = {'meta': harness.meta(NAME, argv, args, target=harness.repo_path(args.target)), 'drafts': info,
-             'batches': {}}
+  results = {'meta': harness.meta(NAME, argv, args, target=harness.repo_path(args.target)),
+             'drafts': info, 'batches': {}}
   for batch_size, count in sizes.items():
     count = min(count, len(sources))
     results['batches'][str(batch_size)] = batch_block(

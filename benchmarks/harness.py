@@ -50,6 +50,8 @@ from speculative_t5x import pipeline
 from speculative_t5x import policy
 from speculative_t5x import trees
 
+# The repository's root: where commands run from and recorded paths are relative to.
+REPO = Path(__file__).resolve().parents[1]
 INPUT_LENGTH = 64
 INPUT_LENGTH_STEP = 16  # encoder width: each batch's longest input rounded up to this
 OUTPUT_LENGTH = 64
@@ -642,9 +644,8 @@ def meta(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
 def repo_path(path: str) -> str:
   """`path` relative to the repository when it lies inside it (results name no machine's
   folders), else as given."""
-  root = Path(__file__).resolve().parents[1]
   try:
-    return str(Path(path).resolve().relative_to(root))
+    return str(Path(path).resolve().relative_to(REPO))
   except ValueError:
     return path
 

@@ -343,7 +343,7 @@ def start_t5x(args: argparse.Namespace, blocks: Sequence[Tuple[str, Tuple[int, i
   <out_dir>/scale_t5x.json; None without --t5x_python."""
   if not args.t5x_python:
     return None
-  root = str(Path(__file__).resolve().parents[1])
+  root = str(harness.REPO)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [root] + [p for p in args.t5x_pythonpath.split(os.pathsep) if p]))
   spec = {'blocks': [[s, list(m), b, o] for s, m, b, o in blocks], 'draft': args.draft,

@@ -12,10 +12,10 @@ from typing import List
 # (2-core CPU). XLA:CPU's newer fusion emitters cost as much again: without them the decode
 # loops of tests/test_fast_path.py compiled in 8.5-10 s instead of 16-23 s. Set before JAX
 # starts; subprocesses inherit them; a flag the user set wins.
-for _flag, _value in (('xla_backend_optimization_level', '0'),
-                      ('xla_cpu_use_fusion_emitters', 'false')):
-  if _flag not in os.environ.get('XLA_FLAGS', ''):
-    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+FUSION_EMITTERS_OFF = '--xla_cpu_use_fusion_emitters=false'
+for _flag in ('--xla_backend_optimization_level=0', FUSION_EMITTERS_OFF):
+  if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 # One persistent compilation cache per test run, shared by the xdist workers (this file is
 # loaded by pytest's main process before it starts them, and they inherit the variable) and by

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import roofline
 from speculative_t5x import partitioning
+import conftest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = 'tiny 1x8 b8 out8'
@@ -29,7 +30,7 @@ def report(tmp_path_factory: pytest.TempPathFactory):
   # The collective counts below are read from the programs XLA builds for users: conftest's
   # compile-time flag that swaps XLA:CPU's fusion emitters changes how its all-reduces combine
   # (opt level 0 carries over: it only changes LLVM's code).
-  flags = os.environ.get('XLA_FLAGS', '').replace('--xla_cpu_use_fusion_emitters=false', '')
+  flags = os.environ.get('XLA_FLAGS', '').replace(conftest.FUSION_EMITTERS_OFF, '')
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=flags)
   proc = subprocess.run(
       [sys.executable, '-m', 'benchmarks.scale', '--tiny', '--meshes', '1x8', '--batches', '8',
