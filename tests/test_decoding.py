@@ -15,7 +15,7 @@ from speculative_t5x import decoding
 from speculative_t5x import trees
 from speculative_t5x import models
 from speculative_t5x import network
-from conftest import ragged_tokens, random_model, start_decoding, tiny_config
+from conftest import apply, ragged_tokens, random_model, start_decoding, tiny_config
 
 MAX_LEN = 12
 NO_EOS = 63  # a token id the tiny models rarely produce; tests that need EOS pick one
@@ -118,8 +118,8 @@ def _prefill(model, enc, prompts):
   module, params = model
   cache, t2l = start_decoding(module, params, enc, MAX_LEN)
   n = jnp.sum(prompts != 0, axis=1).astype(jnp.int32)
-  _, cache = module.apply({'params': params}, prompts, cache, n,
-                          method=network.Transformer.decode_step)
+  _, cache = apply(module, {'params': params}, prompts, cache, n,
+                   method=network.Transformer.decode_step)
   return cache, t2l, n
 
 
@@ -245,8 +245,9 @@ def _exact_distribution(model, enc, temperature, topk, topp):
   seqs = np.array(list(itertools.product(range(vocab), repeat=SMALL_LEN)), np.int32)
   dec_in = np.concatenate([np.zeros((len(seqs), 1), np.int32), seqs[:, :-1]], axis=1)
   encs = jnp.repeat(enc, len(seqs), axis=0)
-  logits = module.apply({'params': params}, encs, dec_in, np.ones_like(dec_in))
-  log_p = np.asarray(decoding.sampling_log_probs(logits, temperature, topk, topp))
+  logits = apply(module, {'params': params}, encs, dec_in, np.ones_like(dec_in))
+  log_p = np.asarray(jax.jit(decoding.sampling_log_probs, static_argnums=(1, 2, 3))(
+      logits, temperature, topk, topp))
   token_p = np.exp(np.take_along_axis(log_p, seqs[..., None], -1)[..., 0])
   dist = {}
   for seq, probs in zip(seqs, token_p):

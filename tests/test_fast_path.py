@@ -10,7 +10,7 @@ import pytest
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import network
-from conftest import ragged_tokens, random_model, start_decoding, tiny_config
+from conftest import apply, ragged_tokens, random_model, start_decoding, tiny_config
 
 MAX_LEN = 12
 CFG = tiny_config()
@@ -84,9 +84,9 @@ def test_decode_variables_give_the_same_logits(config):
   assert ('logits_kernel' in variables['decoder']) == config.logits_via_embedding
   assert 'qkv_kernel' in variables['decoder']['layers_0']['self_attention']  # stacked
   enc = ragged_tokens(jax.random.PRNGKey(5), 3, 7, config.vocab_size)
-  encoded = module.apply({'params': params}, enc, method=network.Transformer.encode)
-  cache = module.apply({'params': params}, encoded, enc, MAX_LEN,
-                       method=network.Transformer.init_cache).with_index(jnp.array([0, 2, 5]))
+  encoded = apply(module, {'params': params}, enc, method=network.Transformer.encode)
+  cache = apply(module, {'params': params}, encoded, enc, MAX_LEN,
+                method=network.Transformer.init_cache).with_index(jnp.array([0, 2, 5]))
   tokens = jax.random.randint(jax.random.PRNGKey(6), (3, 4), 2, config.vocab_size)
   step = jax.jit(lambda v: module.apply(v, tokens, cache, method=network.Transformer.decode_step))
   plain, plain_cache = step({'params': params})

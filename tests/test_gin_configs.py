@@ -129,7 +129,7 @@ def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
   printed = subprocess.run(['bash', str(REPO / 'scripts' / 'train_pair.sh'), str(out)],
                            env={**os.environ, 'DRY_RUN': '1'}, capture_output=True, text=True,
                            check=True, cwd=REPO).stdout.splitlines()
-  assert len(printed) == 7 and not out.exists()
+  assert len(printed) == 8 and not out.exists()
   bound = []
   for line in printed:
     words = shlex.split(line)
@@ -145,10 +145,10 @@ def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
   exports = [b['export_path'] for b in bound]
   assert exports == [str(out / n) + '.msgpack' for n in (
       'target', 'draft_undistilled', 'draft_seq_6000', 'draft', 'draft_token_mixed',
-      'draft_decoder_only', 'draft_decoder_only_on_policy')]
+      'draft_decoder_only', 'draft_decoder_only_on_policy', 'draft_decoder_only_2layers')]
   for i, b in enumerate(bound):
     assert all(str(v).startswith(str(out)) for v in b.values()), b
-    if i >= 2:  # the distillation stages; the decoder-only draft starts from stage 4's
+    if i >= 2:  # the distillation stages; the decoder-only drafts start from stage 4's
       assert b['teacher'] == exports[0] and b['init_from'] == exports[
-          {5: 3, 6: 5}.get(i, i - 1)], b
-  assert bound[5]['encoder'] == bound[6]['encoder'] == exports[0]
+          {5: 3, 6: 5, 7: 3}.get(i, i - 1)], b
+  assert bound[5]['encoder'] == bound[6]['encoder'] == bound[7]['encoder'] == exports[0]

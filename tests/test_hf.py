@@ -14,6 +14,7 @@ from speculative_t5x import decoding
 from speculative_t5x import hf
 from speculative_t5x import models
 from speculative_t5x import network
+from conftest import apply
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -49,9 +50,8 @@ def _tokens():
 
 def _compare(model, config, params):
   enc, dec_in, tgt = _tokens()
-  ours = network.Transformer(config).apply(
-      {'params': params}, jnp.asarray(enc, jnp.int32), jnp.asarray(dec_in, jnp.int32),
-      jnp.asarray(tgt, jnp.int32))
+  ours = apply(network.Transformer(config), {'params': params}, jnp.asarray(enc, jnp.int32),
+               jnp.asarray(dec_in, jnp.int32), jnp.asarray(tgt, jnp.int32))
   with torch.no_grad():
     theirs = model.float()(input_ids=torch.tensor(enc), attention_mask=torch.tensor(enc > 0),
                            decoder_input_ids=torch.tensor(dec_in)).logits.numpy()
@@ -250,9 +250,9 @@ def test_greedy_generate_matches_transformers():
 
   # Greedy choices with clear margins: float32 differences cannot flip them.
   dec_in = np.concatenate([np.zeros((len(ours), 1), ours.dtype), ours[:, :-1]], axis=1)
-  logits = np.asarray(network.Transformer(config).apply(
-      {'params': params}, jnp.asarray(enc, jnp.int32), jnp.asarray(dec_in),
-      jnp.asarray(np.maximum(ours, 1))))  # targets only mask the decoder; keep all positions
+  logits = np.asarray(apply(
+      network.Transformer(config), {'params': params}, jnp.asarray(enc, jnp.int32),
+      jnp.asarray(dec_in), jnp.asarray(np.maximum(ours, 1))))  # targets only mask the decoder; keep all positions
   top2 = np.sort(logits, axis=-1)[..., -2:]
   before_eos = np.cumsum(ours == 1, axis=1) - (ours == 1) == 0
   assert (top2[..., 1] - top2[..., 0])[before_eos].min() > 1e-3

@@ -187,3 +187,17 @@ def test_hf_export_of_target(pair, sentences, target_greedy):
   # HF's assisted generation takes one sequence at a time.
   assisted = np.concatenate([generate(enc[i:i + 1], draft) for i in range(len(enc))])
   np.testing.assert_array_equal(assisted, ours)
+
+
+def test_the_embedded_decoder_only_draft_reads_the_targets_encoder(loaded, sentences,
+                                                                   target_greedy):
+  """The second shipped draft: no encoder, cross-attention over the target's encoder output;
+  speculative greedy with it is the target's greedy output."""
+  other = pipeline.load_pair(draft=pipeline.EMBEDDED_DECODER_ONLY_DRAFT)
+  config = other.draft_config
+  assert (config.num_encoder_layers, config.num_decoder_layers) == (0, 2)
+  assert config.encoded_width == loaded.target_config.emb_dim
+  assert 'encoder' not in other.params['draft']
+  speculative = _greedy((other.target_config, config, other.params), _batch(sentences),
+                        decoding.speculative_sample, {'temperature': 0.0, 'gamma': 4})
+  np.testing.assert_array_equal(speculative, target_greedy)

@@ -18,7 +18,7 @@ from speculative_t5x import beam_search
 from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import network
-from conftest import shared_files
+from conftest import apply, shared_files
 
 EOS_ID = 1
 LENGTH = 10
@@ -43,12 +43,12 @@ def _prefilled_cache(module, params, encoder_tokens, prompts, cache_length):
   The whole prompt block is written at once; entries at or after a row's index n are never
   read (and get overwritten), so this is T5X's per-row prefill.
   """
-  encoded = module.apply({'params': params}, encoder_tokens, method=network.Transformer.encode)
-  cache = module.apply({'params': params}, encoded, encoder_tokens, cache_length,
-                       method=network.Transformer.init_cache)
+  encoded = apply(module, {'params': params}, encoder_tokens, method=network.Transformer.encode)
+  cache = apply(module, {'params': params}, encoded, encoder_tokens, cache_length,
+                method=network.Transformer.init_cache)
   lengths = jnp.sum(prompts != 0, axis=1).astype(jnp.int32)
-  _, cache = module.apply({'params': params}, prompts, cache, lengths,
-                          method=network.Transformer.decode_step)
+  _, cache = apply(module, {'params': params}, prompts, cache, lengths,
+                   method=network.Transformer.decode_step)
   return cache, lengths
 
 

@@ -12,6 +12,7 @@ from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import pipeline
 from speculative_t5x import translate
+from conftest import apply
 from fast_params import random_params
 
 CONFIG = network.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8,
@@ -46,8 +47,8 @@ def test_mean_token_log_probs_is_the_targets_per_token_mean():
   got = translate.mean_token_log_probs(model, params, encoder_input_tokens, decodes)
 
   decoder_input_tokens = np.pad(decodes[:, :-1], ((0, 0), (1, 0)))
-  logits = model.module.apply({'params': params['target']}, encoder_input_tokens,
-                              decoder_input_tokens, decodes)
+  logits = apply(model.module, {'params': params['target']}, encoder_input_tokens,
+                 decoder_input_tokens, decodes)
   log_probs = np.asarray(jax.nn.log_softmax(logits))
   for row, length in enumerate((3, 5, 5)):
     expect = np.mean([log_probs[row, i, decodes[row, i]] for i in range(length)])
