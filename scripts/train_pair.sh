@@ -3,7 +3,7 @@
 #
 #   scripts/train_pair.sh [OUT]        # OUT defaults to runs/pair
 #
-# Stages (each a `speculative_t5x.train` job of the named gin file, about 8 hours in all on a
+# Stages (each a `speculative_t5x.train` job of the named gin file, about 9 hours in all on a
 # 2-core CPU):
 #   1 target            multi30k_target.gin                 -> OUT/target.msgpack
 #   2 undistilled draft multi30k_draft.gin                  -> OUT/draft_undistilled.msgpack
@@ -17,6 +17,9 @@
 #     (stage 4's decoder over the target's frozen encoder, token-distilled as stage 5)
 #   7 on-policy round   multi30k_draft_decoder_only_on_policy.gin -> OUT/draft_decoder_only_on_policy.msgpack
 #     (stage 6's draft on the target's greedy outputs and its own samples)
+#   8 two-layer decoder-only draft multi30k_draft_decoder_only_2layers.gin
+#                       -> OUT/draft_decoder_only_2layers.msgpack (stage 6 with a second decoder
+#     layer, 3,600 s; speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack)
 #
 # Every path a stage reads or writes is redirected into OUT, so the shipped weights in
 # speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
@@ -28,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/pair}"
 FIRST="${FIRST:-1}"
-LAST="${LAST:-7}"
+LAST="${LAST:-8}"
 DRY_RUN="${DRY_RUN:-}"
 [[ -n "$DRY_RUN" ]] || mkdir -p "$OUT"
 
@@ -77,4 +80,8 @@ stage 7 draft_decoder_only_on_policy multi30k_draft_decoder_only_on_policy.gin "
   --gin.train.encoder="'$OUT/target.msgpack'" \
   --gin.train.init_from="'$OUT/draft_decoder_only.msgpack'" \
   --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
-[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack)."
+stage 8 draft_decoder_only_2layers multi30k_draft_decoder_only_2layers.gin "$teacher" \
+  --gin.train.encoder="'$OUT/target.msgpack'" \
+  --gin.train.init_from="'$OUT/draft.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack, draft_decoder_only_2layers.msgpack)."
