@@ -82,27 +82,22 @@ def random_model(config: network.T5Config, seed: int = 0, logit_scale: float = 1
   return network.Transformer(config), params
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=('method', 'static'))
-def _apply(module, variables, traced_args, method, static, **kwargs):
-  static_args, static_kwargs = static
+@functools.partial(jax.jit, static_argnums=0, static_argnames=('method', 'static_args'))
+def _apply(module, variables, traced_args, method, static_args, **kwargs):
   args = list(traced_args)
   for index, value in static_args:
     args.insert(index, value)
-  return module.apply(variables, *args, method=method, **dict(static_kwargs), **kwargs)
+  return module.apply(variables, *args, method=method, **kwargs)
 
 
 def apply(module, variables, *args, method=None, **kwargs):
   """`module.apply(variables, *args, method=method, **kwargs)` as one compiled program, cached
   per config, method and shapes for every test in the process: run op by op, each of a tiny
   model's ~100 operations compiles on its own at every new shape (most of such a test's time).
-  Python ints and `mutable`/`capture_intermediates` are static; arrays are traced."""
+  Python ints among `args` (lengths) are static; arrays, and every keyword argument, traced."""
   static_args = tuple((i, a) for i, a in enumerate(args) if isinstance(a, int))
   traced_args = tuple(a for a in args if not isinstance(a, int))
-  static_kwargs = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in
-                        sorted(kwargs.items()) if k in ('mutable', 'capture_intermediates'))
-  traced_kwargs = {k: v for k, v in kwargs.items() if k not in dict(static_kwargs)}
-  return _apply(module, variables, traced_args, method=method,
-                static=(static_args, static_kwargs), **traced_kwargs)
+  return _apply(module, variables, traced_args, method=method, static_args=static_args, **kwargs)
 
 
 def start_decoding(module, params, encoder_tokens, max_length):

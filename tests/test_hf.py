@@ -250,9 +250,10 @@ def test_greedy_generate_matches_transformers():
 
   # Greedy choices with clear margins: float32 differences cannot flip them.
   dec_in = np.concatenate([np.zeros((len(ours), 1), ours.dtype), ours[:, :-1]], axis=1)
-  logits = np.asarray(apply(
-      network.Transformer(config), {'params': params}, jnp.asarray(enc, jnp.int32),
-      jnp.asarray(dec_in), jnp.asarray(np.maximum(ours, 1))))  # targets only mask the decoder; keep all positions
+  # The targets only mask the decoder: all >= 1 keeps every position.
+  logits = np.asarray(apply(network.Transformer(config), {'params': params},
+                            jnp.asarray(enc, jnp.int32), jnp.asarray(dec_in),
+                            jnp.asarray(np.maximum(ours, 1))))
   top2 = np.sort(logits, axis=-1)[..., -2:]
   before_eos = np.cumsum(ours == 1, axis=1) - (ours == 1) == 0
   assert (top2[..., 1] - top2[..., 0])[before_eos].min() > 1e-3
