@@ -136,12 +136,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
 def hf_passes(pair: pipeline.Pair, sentences: Sequence[str], gammas: Sequence[int],
               threads: int = 1) -> Dict[str, Callable[[], np.ndarray]]:
   """{name: one pass} of HF greedy generation without and with `assistant_model`, one sentence
-  at a time; each pass returns decodes [n, OUTPUT_LENGTH]. Raises ImportError without HF.
+  at a time; each pass returns decodes [n, OUTPUT_LENGTH]. Raises ImportError without HF, a
+  ValueError for a draft with no encoder of its own (HF's assistant must be a whole T5).
 
   threads: PyTorch's intra-op threads. One by default: with two on this 2-core machine while
   other processes ran, generate() took 40x longer (its threads wait on each other), and one
   sentence's small matrices gain little from more.
   """
+  if not pair.draft_config.has_encoder:
+    raise ValueError('HF assisted generation needs a draft with its own encoder: --draft '
+                     f'{pipeline.EMBEDDED_SEPARATE_DRAFT}')
   import torch  # pylint: disable=g-import-not-at-top
   from transformers import cache_utils  # pylint: disable=g-import-not-at-top
   from speculative_t5x import hf  # pylint: disable=g-import-not-at-top
@@ -235,7 +239,7 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
     try:
       hf = hf_passes(pair, sources, harness.parse_ints(args.hf_gammas, '--hf_gammas'),
                      args.hf_threads)
-    except ImportError as e:
+    except (ImportError, ValueError) as e:
       print(f'skipping HF assisted generation: {e}', file=sys.stderr)
   outputs = harness.warm({**passes, **hf})
   times = policy.round_robin({**passes, **hf}, args.rounds)

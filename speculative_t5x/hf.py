@@ -413,8 +413,9 @@ def to_hf_model(config: network.T5Config, params: Params):
   except ImportError as e:
     raise ImportError('to_hf_model needs torch and transformers: '
                       f"pip install 'speculative_t5x[hf]' ({e})") from e
+  hf_config = transformers.T5Config(**hf_config_from(config))  # its checks first: one line
   tensors = hf_state_dict_from(config, params)
-  model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_config_from(config)))
+  model = transformers.T5ForConditionalGeneration(hf_config)
   if not config.logits_via_embedding:
     # transformers >= 5 ties lm_head to shared.weight whatever tie_word_embeddings says (it
     # unties only in from_pretrained, when the file's tensors differ); loading two different

@@ -39,7 +39,7 @@ from speculative_t5x import trees
 PathLike = Union[str, os.PathLike]
 EMBEDDED_TARGET = data.EMBEDDED_TARGET
 EMBEDDED_DRAFT = data.EMBEDDED_DRAFT
-EMBEDDED_DECODER_ONLY_DRAFT = data.EMBEDDED_DECODER_ONLY_DRAFT
+EMBEDDED_SEPARATE_DRAFT = data.EMBEDDED_SEPARATE_DRAFT
 
 # The decoders a Pipeline offers by name, with the arguments each gets unless given: greedy.
 # The target alone samples without T5X's topk=1 default, as speculative_sample does, so that

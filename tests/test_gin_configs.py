@@ -8,6 +8,7 @@ import subprocess
 import gin
 import pytest
 
+from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import infer  # registers the configurables
@@ -57,18 +58,21 @@ def _scoped_config(scope):
 
 
 def test_pair_file_matches_training_model_files():
-  """gin_configs/pairs/multi30k.gin restates models/multi30k_{target,draft}.gin under scopes."""
+  """gin_configs/pairs/multi30k.gin restates the models/ files of the embedded pair under
+  scopes: the target, the (decoder-only) draft and the separate draft."""
   ignore = ('dropout_rate',)  # inference turns dropout off
-  for role in ('target', 'draft'):
+  for scope, model_file in (('multi30k_target', 'multi30k_target'),
+                            ('multi30k_draft', 'multi30k_draft_decoder_only_2layers'),
+                            ('multi30k_separate_draft', 'multi30k_draft')):
     gin.clear_config()
-    gin.parse_config_file(str(CONFIGS / 'models' / f'multi30k_{role}.gin'))
+    gin.parse_config_file(str(CONFIGS / 'models' / f'{model_file}.gin'))
     trained = gin.get_configurable('network.T5Config')()
     gin.clear_config()
     gin.parse_config_file(str(CONFIGS / 'pairs' / 'multi30k.gin'))
-    paired = _scoped_config(f'multi30k_{role}')
+    paired = _scoped_config(scope)
     for field in network.T5Config.__dataclass_fields__:
       if field not in ignore:
-        assert getattr(paired, field) == getattr(trained, field), (role, field)
+        assert getattr(paired, field) == getattr(trained, field), (scope, field)
     assert paired.dropout_rate == 0.0
 
 
@@ -106,12 +110,14 @@ def test_infer_run_config_builds_the_multi30k_model(run, source, tmp_path, monke
   for macro, value in (source, (other, None),
                        ('TASK_FEATURE_LENGTHS', {'inputs': 64, 'targets': 64})):
     assert gin.query_parameter(f'{macro}/macro.value') == value
-  for role in ('target', 'draft'):  # the embedded weights, found from here as the job finds them
-    path = gin.query_parameter(f'{role.upper()}_CHECKPOINT_PATH/macro.value')
-    assert path == f'speculative_t5x/pretrained/multi30k_de_en_{role}.msgpack'
-    assert gin_utils.resolve_path(path).is_file(), path
+  for role, path in (('target', data.EMBEDDED_TARGET), ('draft', data.EMBEDDED_DRAFT)):
+    # the embedded weights, found from here as the job finds them
+    value = gin.query_parameter(f'{role.upper()}_CHECKPOINT_PATH/macro.value')
+    assert value == f'speculative_t5x/pretrained/{path.name}'
+    assert gin_utils.resolve_path(value) == path, value
   model = gin.query_parameter('infer_script.infer.model').scoped_configurable_fn()
-  assert model.target_config.num_decoder_layers == 6 and model.draft_config.num_decoder_layers == 1
+  assert model.target_config.num_decoder_layers == 6 and model.draft_config.num_decoder_layers == 2
+  assert model.draft_config.encoded_width == model.target_config.emb_dim
   assert model.uses_draft and model.eos_id == 1
   fn = getattr(model.decode_fn, '__wrapped__', model.decode_fn)
   assert fn is decoding.speculative_sample

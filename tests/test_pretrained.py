@@ -169,7 +169,10 @@ def test_hf_export_of_target(pair, sentences, target_greedy):
   # transformers 5.x sizes generate()'s own decoder cache by num_layers (the encoder's 5) and
   # fails on this 6-layer decoder; a lazily grown cache works (as benchmarks/speed.py does).
   from transformers import cache_utils  # pylint: disable=g-import-not-at-top
-  draft = hf.to_hf_model(pair[1], params['draft'])
+  # HF's assistant is a whole T5: the separate draft (the default one reads the target's encoder).
+  with pytest.raises(ValueError, match='no Hugging Face T5 form'):
+    hf.to_hf_model(pair[1], params['draft'])
+  draft = hf.to_hf_model(*pipeline.load_model(pipeline.EMBEDDED_SEPARATE_DRAFT))
 
   def generate(rows, assistant):
     with torch.no_grad():
@@ -189,15 +192,21 @@ def test_hf_export_of_target(pair, sentences, target_greedy):
   np.testing.assert_array_equal(assisted, ours)
 
 
-def test_the_embedded_decoder_only_draft_reads_the_targets_encoder(loaded, sentences,
-                                                                   target_greedy):
-  """The second shipped draft: no encoder, cross-attention over the target's encoder output;
-  speculative greedy with it is the target's greedy output."""
-  other = pipeline.load_pair(draft=pipeline.EMBEDDED_DECODER_ONLY_DRAFT)
-  config = other.draft_config
+def test_the_embedded_drafts(loaded, sentences, target_greedy):
+  """The default draft has no encoder: its cross-attention reads the target's encoder output.
+  The separate draft (its own encoder) also ships; speculative greedy with either is the
+  target's greedy output, and both propose from the captions' vocabulary only (a cut that keeps
+  outputs exact)."""
+  config = loaded.draft_config
   assert (config.num_encoder_layers, config.num_decoder_layers) == (0, 2)
   assert config.encoded_width == loaded.target_config.emb_dim
-  assert 'encoder' not in other.params['draft']
-  speculative = _greedy((other.target_config, config, other.params), _batch(sentences),
-                        decoding.speculative_sample, {'temperature': 0.0, 'gamma': 4})
+  assert 'encoder' not in loaded.params['draft']
+  separate = pipeline.load_pair(draft=pipeline.EMBEDDED_SEPARATE_DRAFT)
+  assert (separate.draft_config.num_encoder_layers, separate.draft_config.encoded_width) == (3, 0)
+  for pair in (loaded, separate):
+    kept = pair.params['decode']['draft']['decoder']['logits_index'] >= 0
+    assert 3900 < int(kept.sum()) < pair.draft_config.vocab_size
+  speculative = _greedy((separate.target_config, separate.draft_config, separate.params),
+                        _batch(sentences), decoding.speculative_sample,
+                        {'temperature': 0.0, 'gamma': 4})
   np.testing.assert_array_equal(speculative, target_greedy)
