@@ -81,8 +81,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     raise SystemExit(f"error: --sampling wants temperature:top-p pairs like 1:0,1:0.9, got "
                      f"{args.sampling!r}") from None
   args.speed_tree_list = parse_trees(args.speed_trees, '--speed_trees')
-  # benchmarks.speed.batch_block's flags: no HF rows here.
-  args.hf, args.hf_gammas, args.hf_threads = False, '', 1
+  # benchmarks.speed.batch_block's flags: no HF rows and no calibration here.
+  args.hf, args.hf_gammas, args.hf_threads, args.calibration = False, '', 1, None
   return args
 
 

@@ -6,8 +6,10 @@ commands run on a small random pair over the embedded vocabulary (`small_pair`):
 paths as the embedded pair's, at a fraction of its compile time (most of these tests' time).
 """
 
+import inspect
 import json
 import pathlib
+import re
 from typing import Any, Dict, Iterator, List
 
 import jax
@@ -214,6 +216,14 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert [(r['name'], r['temperature_path'], r['identical']) for r in results['greedy']] == [
       ('speculative gamma=2 block T=0', 'operand', 1.0), ('tree (2,1) T=0', 'operand', 1.0),
       ('tree (2,1) T=0', 'static', 1.0)]
+
+
+def test_verifiers_speed_part_sets_every_flag_batch_block_reads() -> None:
+  # The speed part hands its own flags to benchmarks.speed.batch_block: a flag added there and
+  # not here fails only after the acceptance grid has run for hours.
+  read = set(re.findall(r'\bargs\.(\w+)', inspect.getsource(speed.batch_block)))
+  args = verifiers.parse_args(['--sentences', '1:2'])
+  assert read and not [name for name in sorted(read) if not hasattr(args, name)]
 
 
 def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
