@@ -20,6 +20,8 @@
 #   8 two-layer decoder-only draft multi30k_draft_decoder_only_2layers.gin
 #                       -> OUT/draft_decoder_only_2layers.msgpack (stage 6 with a second decoder
 #     layer, 3,600 s; speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack)
+# Then, with stage 8: the drafts' vocabulary (OUT/draft.msgpack.vocabulary.json and
+# OUT/draft_decoder_only_2layers.msgpack.vocabulary.json, the tokens of train.en; docs/engine.md).
 #
 # Every path a stage reads or writes is redirected into OUT, so the shipped weights in
 # speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
@@ -84,4 +86,12 @@ stage 8 draft_decoder_only_2layers multi30k_draft_decoder_only_2layers.gin "$tea
   --gin.train.encoder="'$OUT/target.msgpack'" \
   --gin.train.init_from="'$OUT/draft.msgpack'" \
   --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+if (( LAST >= 8 )); then
+  vocabulary=("${PYTHON:-python}" -c 'import sys
+from speculative_t5x import checkpoints, data
+for path in sys.argv[1:]:
+  print(checkpoints.write_draft_vocabulary(path, data.caption_vocabulary(), data.CAPTION_VOCABULARY_SOURCE))' \
+    "$OUT/draft.msgpack" "$OUT/draft_decoder_only_2layers.msgpack")
+  if [[ -n "$DRY_RUN" ]]; then printf '%q ' "${vocabulary[@]}"; echo; else "${vocabulary[@]}"; fi
+fi
 [[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack, draft_decoder_only_2layers.msgpack)."

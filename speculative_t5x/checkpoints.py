@@ -36,7 +36,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import flax.serialization
 import jax
@@ -323,6 +323,15 @@ def load_model(source: PathLike) -> Tuple[network.T5Config, Params]:
 
 # The file beside a draft's weights listing the tokens it may propose: {"token_ids": [...]}.
 DRAFT_VOCABULARY_SUFFIX = '.vocabulary.json'
+
+
+def write_draft_vocabulary(path: PathLike, token_ids: Sequence[int], source: str) -> Path:
+  """Writes `<path>.vocabulary.json`, the tokens the draft at `path` may propose (read back by
+  `load_draft_vocabulary`) and, in words, where they come from; returns the file's path."""
+  sidecar = Path(os.fspath(path) + DRAFT_VOCABULARY_SUFFIX)
+  sidecar.write_text(json.dumps({'token_ids': [int(i) for i in token_ids], 'source': source},
+                                separators=(',', ':')), encoding='utf-8')
+  return sidecar
 
 
 def load_draft_vocabulary(path: Optional[PathLike]) -> Optional[np.ndarray]:

@@ -135,9 +135,12 @@ def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
   printed = subprocess.run(['bash', str(REPO / 'scripts' / 'train_pair.sh'), str(out)],
                            env={**os.environ, 'DRY_RUN': '1'}, capture_output=True, text=True,
                            check=True, cwd=REPO).stdout.splitlines()
-  assert len(printed) == 8 and not out.exists()
+  assert len(printed) == 9 and not out.exists()
+  # After the stages, the drafts' vocabulary files (their tokens: test_pretrained).
+  assert shlex.split(printed[8])[-2:] == [str(out / 'draft.msgpack'),
+                                          str(out / 'draft_decoder_only_2layers.msgpack')]
   bound = []
-  for line in printed:
+  for line in printed[:8]:
     words = shlex.split(line)
     gin_file = words[words.index('-m') + 2].split('=', 1)[1]
     bindings = [w[len('--gin.'):] for w in words
