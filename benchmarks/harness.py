@@ -509,7 +509,8 @@ def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.nda
   if setting.method == 'speculative_beam':
     return {**row, **beam_row(setting, stats, steps)}
   if setting.method in ('baseline', 'beam') or not stats:
-    row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1) + 1))
+    # Tokens written, EOS included (it is a token > 0): what the loops' `emitted` counts.
+    row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1)))
     return row
   row.update(acceptance(stats))
   if setting.method == 'tree':

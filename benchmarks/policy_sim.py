@@ -62,6 +62,7 @@ class Scenario:
   batch_ms: the plain decoder's mean ms per batch; fixed_share: its per-batch fixed part.
   noise: log-normal sigma per batch; speculative_noise: added for the other choices.
   """
+  pair: str
   batch_size: int
   decoder: str
   choices: Tuple[Any, ...]
@@ -74,38 +75,51 @@ class Scenario:
 
   @property
   def name(self) -> str:
-    return f'batch {self.batch_size} {self.decoder}'
+    return f'{self.pair}, batch {self.batch_size} {self.decoder}'
 
 
-def _gammas(batch_size: int, decoder: str, speedups: Sequence[float], batch_ms: float,
-            noise: float, speculative_noise: float) -> Scenario:
-  fallback = policy.fallback_gamma(0.0 if decoder == 'greedy' else 1.0)
-  return Scenario(batch_size, decoder, GAMMAS, fallback, tuple(speedups), batch_ms,
+def _gammas(pair: str, batch_size: int, decoder: str, speedups: Sequence[float],
+            batch_ms: float, noise: float, speculative_noise: float) -> Scenario:
+  fallback = policy.fallback_gamma(0.0 if decoder == 'greedy' else 1.0, batch_size)
+  return Scenario(pair, batch_size, decoder, GAMMAS, fallback, tuple(speedups), batch_ms,
                   noise=noise, speculative_noise=speculative_noise)
 
 
-def _trees(batch_size: int, speedups: Sequence[float], batch_ms: float, noise: float
-           ) -> Scenario:
-  return Scenario(batch_size, 'beam 4', policy.TREES, policy.FALLBACK_TREE, tuple(speedups),
-                  batch_ms, noise=noise)
+def _trees(pair: str, batch_size: int, speedups: Sequence[float], batch_ms: float,
+           noise: float) -> Scenario:
+  return Scenario(pair, batch_size, 'beam 4', policy.TREES, policy.FALLBACK_TREE,
+                  tuple(speedups), batch_ms, noise=noise)
 
 
-# Calibrated on results/cpu/policy.md (192 captions, 2-core CPU): fixed choices' speedups where
-# measured, the others ordered as the policy's per-choice measurements there. Noise: at batch 1,
-# 96 captions timed one by one on the shared CPU, gamma 0, 1 and 4 interleaved, left a
-# log-normal sigma around a fixed + per-position fit of 0.10 (greedy target alone) to 0.17
-# (gamma 4), 0.15 to 0.27 at T=1 (sampled lengths differ between choices too), and a fixed part
-# of about 1.5-2.5 ms; larger batches average over more rows.
+# Each pair's scenarios are calibrated on its speed run (192 captions, 2-core CPU): fixed
+# choices' speedups where measured, the others ordered as the policy's per-choice measurements
+# there. The embedded pair (its decoder-only draft): results/cpu/policy_decoder_only_draft.md
+# and policy_sampling_decoder_only_draft.md; the separate draft (the embedded draft before it):
+# results/cpu/policy.md. Noise: at batch 1, 96 captions timed one by one on the shared CPU,
+# gamma 0, 1 and 4 interleaved, left a log-normal sigma around a fixed + per-position fit of
+# 0.10 (greedy target alone) to 0.17 (gamma 4), 0.15 to 0.27 at T=1 (sampled lengths differ
+# between choices too), and a fixed part of about 1.5-2.5 ms; larger batches average over more
+# rows.
+EMBEDDED, SEPARATE = 'embedded pair', 'separate draft'
 SCENARIOS: Tuple[Scenario, ...] = (
-    _gammas(1, 'greedy', (1.0, 1.17, 1.34, 1.38, 1.40), 15.5, 0.10, 0.06),
-    _gammas(1, 'T=1', (1.0, 0.92, 0.88, 0.85, 0.82), 17.7, 0.15, 0.08),
-    _trees(1, (1.0, 0.80, 0.75, 0.70, 0.65), 37.2, 0.10),
-    _gammas(8, 'greedy', (1.0, 1.08, 1.10, 0.98, 0.90), 45.6, 0.08, 0.05),
-    _gammas(8, 'T=1', (1.0, 0.89, 0.84, 0.80, 0.76), 60.8, 0.08, 0.05),
-    _trees(8, (1.0, 0.75, 0.72, 0.70, 0.65), 262.0, 0.06),
-    _gammas(32, 'greedy', (1.0, 0.99, 1.00, 0.95, 0.90), 138.0, 0.06, 0.03),
-    _gammas(32, 'T=1', (1.0, 0.95, 0.90, 0.86, 0.82), 202.0, 0.06, 0.03),
-    _trees(32, (1.0, 0.70, 0.68, 0.64, 0.60), 976.0, 0.05),
+    _gammas(EMBEDDED, 1, 'greedy', (1.0, 1.22, 1.47, 1.62, 1.73), 34.6, 0.10, 0.06),
+    _gammas(EMBEDDED, 1, 'T=1', (1.0, 1.20, 1.28, 1.42, 1.53), 38.2, 0.15, 0.08),
+    _trees(EMBEDDED, 1, (1.0, 0.83, 0.78, 0.73, 0.68), 78.7, 0.10),
+    _gammas(EMBEDDED, 8, 'greedy', (1.0, 1.17, 1.19, 1.13, 1.15), 85.6, 0.08, 0.05),
+    _gammas(EMBEDDED, 8, 'T=1', (1.0, 1.27, 1.19, 1.25, 1.28), 131.2, 0.08, 0.05),
+    _trees(EMBEDDED, 8, (1.0, 0.77, 0.74, 0.71, 0.66), 414.4, 0.06),
+    _gammas(EMBEDDED, 32, 'greedy', (1.0, 1.03, 1.02, 1.01, 0.98), 268.8, 0.06, 0.03),
+    _gammas(EMBEDDED, 32, 'T=1', (1.0, 1.04, 1.14, 1.19, 1.03), 438.4, 0.06, 0.03),
+    _trees(EMBEDDED, 32, (1.0, 0.75, 0.72, 0.68, 0.64), 1561.6, 0.05),
+    _gammas(SEPARATE, 1, 'greedy', (1.0, 1.17, 1.34, 1.38, 1.40), 15.5, 0.10, 0.06),
+    _gammas(SEPARATE, 1, 'T=1', (1.0, 0.92, 0.88, 0.85, 0.82), 17.7, 0.15, 0.08),
+    _trees(SEPARATE, 1, (1.0, 0.80, 0.75, 0.70, 0.65), 37.2, 0.10),
+    _gammas(SEPARATE, 8, 'greedy', (1.0, 1.08, 1.10, 0.98, 0.90), 45.6, 0.08, 0.05),
+    _gammas(SEPARATE, 8, 'T=1', (1.0, 0.89, 0.84, 0.80, 0.76), 60.8, 0.08, 0.05),
+    _trees(SEPARATE, 8, (1.0, 0.75, 0.72, 0.70, 0.65), 262.0, 0.06),
+    _gammas(SEPARATE, 32, 'greedy', (1.0, 0.99, 1.00, 0.95, 0.90), 138.0, 0.06, 0.03),
+    _gammas(SEPARATE, 32, 'T=1', (1.0, 0.95, 0.90, 0.86, 0.82), 202.0, 0.06, 0.03),
+    _trees(SEPARATE, 32, (1.0, 0.70, 0.68, 0.64, 0.60), 976.0, 0.05),
 )
 # The shared machine: log speed drifts (an AR(1) process of this stationary sigma and
 # correlation per batch) and a batch is hit by a spike (x1.5-3) with this probability.

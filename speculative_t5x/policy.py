@@ -61,10 +61,17 @@ AUTO = 'auto'
 # gamma='auto' candidates: 0 (the target alone) to MAX_GAMMA, each one compiled loop. The first
 # batch runs FALLBACK_GAMMA when greedy (on the project's CPU the fastest gamma at batch 8 and
 # within 1% of the fastest at 32, where a 192-sentence job is too short to search, and halfway to
-# the fastest at batch 1), the target alone when sampling (at T=1 the draft's tokens are
-# accepted about half as often, and speculation rarely paid there).
+# the fastest at batch 1). When sampling it runs SAMPLING_FALLBACK_GAMMA up to
+# SAMPLING_FALLBACK_ROWS rows a batch: from a speculative start the target alone is always
+# within reach (it is exempt from the exploration budget), while from the target alone a short
+# job cannot afford to try speculation (at T=1 the embedded pair's gamma 1 was 1.12x at batch 8,
+# and a 24-batch job starting without it never tried it). Above that, the target alone: on a
+# CPU a verify call over 64 rows is arithmetic-bound (gamma 1 was 0.97x at batch 32), and a
+# 6-batch job cannot search its way back.
 MAX_GAMMA = 4
 FALLBACK_GAMMA = 2
+SAMPLING_FALLBACK_GAMMA = 1
+SAMPLING_FALLBACK_ROWS = 8
 # branching='auto' candidates, () = beam_search itself (the fallback: a tree call over 4 beams is
 # arithmetic-bound on a CPU and did not pay there).
 TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
@@ -555,7 +562,8 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     if calibration is not None and not calibration.fits(temperature):
       calibration = None  # calibrated at another temperature: the timing search alone
     start = costs.scheduled(calibration.schedule, batch_size) if calibration else None
-    fallback = min(fallback_gamma(temperature) if start is None else start, max_gamma)
+    fallback = min(fallback_gamma(temperature, batch_size) if start is None else start,
+                   max_gamma)
     if calibration is not None:
       policy_kwargs.setdefault('model', calibration.model(batch_size))
       policy_kwargs.setdefault('prior_alpha', calibration.alphas.get(batch_size))
@@ -568,9 +576,14 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   return DecodingPolicy((None,)), {None: model}
 
 
-def fallback_gamma(temperature: Any) -> int:
-  """The gamma of a job's first batch: FALLBACK_GAMMA when greedy, else 0 (the target alone)."""
-  return FALLBACK_GAMMA if np.all(np.asarray(temperature) == 0.0) else 0
+def fallback_gamma(temperature: Any, batch_size: Optional[int] = None) -> int:
+  """The gamma of a job's first batch: FALLBACK_GAMMA when greedy; when sampling,
+  SAMPLING_FALLBACK_GAMMA at batch sizes up to SAMPLING_FALLBACK_ROWS, else 0 (the target
+  alone; also when the batch size is not known)."""
+  if np.all(np.asarray(temperature) == 0.0):
+    return FALLBACK_GAMMA
+  small = batch_size is not None and batch_size <= SAMPLING_FALLBACK_ROWS
+  return SAMPLING_FALLBACK_GAMMA if small else 0
 
 
 def _copy(model: models.EncoderDecoderModel, decode_fn: Callable,

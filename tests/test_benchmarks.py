@@ -98,6 +98,9 @@ def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   for name in ('speculative gamma=1 T=0', 'speculative gamma=auto T=0'):
     assert rows[name]['same_as_baseline'] == 1.0
     assert {'speedup', 'speedup_min', 'alpha', 'bleu'} <= set(rows[name])
+  # The same outputs, counted from the decodes and from the loop's counts: the same length.
+  assert (rows['speculative gamma=1 T=0']['tokens_per_sentence'] ==
+          rows['target-only T=0']['tokens_per_sentence'])
   assert 'predicted_speedup' in rows['speculative gamma=1 T=0']
   # 'auto' chooses per batch as the infer job does: the fallback first, then a local search.
   auto = rows['speculative gamma=auto T=0']

@@ -210,14 +210,14 @@ def test_a_model_without_counts_leaves_the_timing_search_alone():
   pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
   decoding_policy, _ = policy.plan(pair, kwargs, calibration=costs.Calibration({}, {}),
                                    batch_size=8)
-  assert decoding_policy.fallback == 0 and decoding_policy.model is None
+  assert decoding_policy.fallback == policy.fallback_gamma(1.0, 8) and decoding_policy.model is None
   assert decoding_policy.predicted() is None and 'model' not in decoding_policy.summary()
 
 
 def test_a_calibration_serves_only_jobs_at_its_temperature():
   calibrated = {0.0: costs.Calibration({1: 4}, {1: model()}),
                 1.0: costs.Calibration({1: 1}, {1: model()}, temperature=1.0)}
-  for job, made_at, fallback, follows in ((0.0, 0.0, 4, True), (1.0, 0.0, 0, False),
+  for job, made_at, fallback, follows in ((0.0, 0.0, 4, True), (1.0, 0.0, 1, False),
                                           (1.0, 1.0, 1, True), (0.0, 1.0, 2, False)):
     kwargs = {'gamma': 'auto', 'temperature': job}
     pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1,
