@@ -209,13 +209,12 @@ CAPTION_VOCABULARY_SOURCE = ('the SentencePiece ids of Multi30k train.en (the En
                              'draft was distilled on) plus pad, eos and unk')
 
 
-def caption_vocabulary(split: str = 'train', language: str = 'en',
-                       data_dir: Optional[os.PathLike] = None) -> List[int]:
-  """The sorted token ids of a Multi30k split's `language` side, with pad, EOS and unk: the
-  tokens the embedded drafts may propose (their `.vocabulary.json`, `docs/engine.md`)."""
-  source, target = load_split(split, data_dir=data_dir)
-  lines = target if language == 'en' else source
-  return sorted({i for row in encode(lines) for i in row} | {PAD_ID, EOS_ID, UNK_ID})
+def caption_vocabulary(split: str = 'train', data_dir: Optional[os.PathLike] = None
+                       ) -> List[int]:
+  """The sorted token ids of a Multi30k split's English side, with pad, EOS and unk: the tokens
+  the embedded drafts may propose (their `.vocabulary.json`, `docs/engine.md`)."""
+  _, english = load_split(split, data_dir=data_dir)
+  return sorted({i for row in encode(english) for i in row} | {PAD_ID, EOS_ID, UNK_ID})
 
 
 def tokenize_pairs(sources: Sequence[str], targets: Sequence[str], max_input_length: int,

@@ -66,8 +66,8 @@ AUTO = 'auto'
 # within reach (it is exempt from the exploration budget), while from the target alone a short
 # job cannot afford to try speculation (at T=1 the embedded pair's gamma 1 was 1.12x at batch 8,
 # and a 24-batch job starting without it never tried it). Above that, the target alone: on a
-# CPU a verify call over 64 rows is arithmetic-bound (gamma 1 was 0.97x at batch 32), and a
-# 6-batch job cannot search its way back.
+# CPU a verify call over 64 rows is arithmetic-bound (gamma 1 at batch 32: 0.97x and 1.04x in
+# two runs, no clear gain), and a 6-batch job cannot search its way back.
 MAX_GAMMA = 4
 FALLBACK_GAMMA = 2
 SAMPLING_FALLBACK_GAMMA = 1

@@ -210,7 +210,8 @@ def test_a_model_without_counts_leaves_the_timing_search_alone():
   pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
   decoding_policy, _ = policy.plan(pair, kwargs, calibration=costs.Calibration({}, {}),
                                    batch_size=8)
-  assert decoding_policy.fallback == policy.fallback_gamma(1.0, 8) and decoding_policy.model is None
+  assert decoding_policy.fallback == policy.fallback_gamma(1.0, 8)
+  assert decoding_policy.model is None
   assert decoding_policy.predicted() is None and 'model' not in decoding_policy.summary()
 
 

@@ -217,11 +217,10 @@ def test_the_embedded_drafts(loaded, sentences, target_greedy):
 def test_the_drafts_vocabulary_files_are_the_training_captions_tokens(tmp_path):
   """scripts/train_pair.sh writes each shipped draft's `.vocabulary.json` byte for byte."""
   shared_files('multi30k/train.en')
-  written = checkpoints.write_draft_vocabulary(
-      tmp_path / 'draft.msgpack', data.caption_vocabulary(data_dir=data_dir()),
-      data.CAPTION_VOCABULARY_SOURCE)
+  vocabulary = data.caption_vocabulary(data_dir=data_dir())
+  written = checkpoints.write_draft_vocabulary(tmp_path / 'draft.msgpack', vocabulary,
+                                               data.CAPTION_VOCABULARY_SOURCE)
   for draft in (pipeline.EMBEDDED_DRAFT, pipeline.EMBEDDED_SEPARATE_DRAFT):
     shipped = Path(str(draft) + checkpoints.DRAFT_VOCABULARY_SUFFIX)
     assert written.read_bytes() == shipped.read_bytes(), shipped
-  assert np.array_equal(checkpoints.load_draft_vocabulary(tmp_path / 'draft.msgpack'),
-                        data.caption_vocabulary(data_dir=data_dir()))
+  assert np.array_equal(checkpoints.load_draft_vocabulary(tmp_path / 'draft.msgpack'), vocabulary)
