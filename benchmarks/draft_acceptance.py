@@ -76,7 +76,7 @@ def draft_rows(pair: pipeline.Pair, sources: Mapping[str, Sequence[str]],
     for temperature in temperatures:
       sweep = split == 'test' and temperature == sweep_temperature
       for gamma in (gammas if sweep else gammas[-1:]):
-        setting = Setting('speculative', temperature, gamma)
+        setting = Setting('speculative', temperature, gamma, verification='token')
         run = harness.collect(harness.compile_setting(setting, pair, batches).one_pass(),
                               len(texts))
         counts = harness.acceptance(run['stats'])

@@ -73,7 +73,7 @@ class Setting(NamedTuple):
   beam: int = 0                  # beam and speculative_beam: the beam size (num_decodes)
   branching: str = ''            # tree, speculative_beam: the token tree's children per depth
   topp: float = 0.0              # baseline and speculative: nucleus sampling
-  verification: str = 'token'    # speculative: 'token' or 'block' (decoding.VERIFICATIONS)
+  verification: str = 'auto'     # speculative: 'token', 'block' or 'auto' (what users get)
 
   @property
   def name(self) -> str:
@@ -89,8 +89,8 @@ class Setting(NamedTuple):
     if self.method == 'tree':
       return f'tree ({self.branching}) {sampling}'
     gamma = f'adaptive<={self.gamma}' if self.adaptive else f'gamma={self.gamma}'
-    block = ' block' if self.verification == 'block' else ''
-    return f'speculative {gamma}{block} {sampling}'
+    verifier = '' if self.verification == decoding.AUTO_VERIFICATION else f' {self.verification}'
+    return f'speculative {gamma}{verifier} {sampling}'
 
   @property
   def baseline(self) -> 'Setting':
@@ -393,12 +393,16 @@ def speedups(times: Mapping[Hashable, Sequence[float]], base: Hashable
 
 def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
   """{'decodes': [num_sentences, length], 'stats': {field: [num_sentences, ...]}} from one pass,
-  without the last batch's padding rows."""
+  without the last batch's padding rows, and for a draft-verify loop 'loop_iterations': the
+  target calls its batches made (per batch, its row with the most)."""
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
-  stats = pipeline.merge_stats(
-      [jax.tree.map(np.asarray, aux.get('stats', {})) for _, aux in outputs],
-      [len(d) for d, _ in outputs], num_sentences)
-  return {'decodes': decodes, 'stats': stats}
+  per_batch = [jax.tree.map(np.asarray, aux.get('stats', {})) for _, aux in outputs]
+  stats = pipeline.merge_stats(per_batch, [len(d) for d, _ in outputs], num_sentences)
+  out = {'decodes': decodes, 'stats': stats}
+  if all('target_calls' in s for s in per_batch) and per_batch:
+    # A batch's loop runs until its slowest row (padding rows included) is done.
+    out['loop_iterations'] = int(sum(np.max(s['target_calls']) for s in per_batch))
+  return out
 
 
 def ms_per(seconds: Sequence[float], count: int) -> float:
@@ -498,7 +502,24 @@ def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.nda
 
   run: `collect`'s decodes and stats plus the timing (ms_per_sentence, speedup, ...) and
   `Compiled.info()`; steps: {'target': {k: ms}, 'draft': {k: ms}} (`step_times_ms`).
+  speedup_per_token: the speedup over the baseline per output token (EOS included). Sampled
+  configurations draw their own outputs, whose lengths differ by a few % from the baseline's:
+  per token, that difference does not count as speed. ms_per_call: the pass's ms per loop
+  iteration (one target call), from run['loop_iterations'].
   """
+  row = _summary(setting, run, baseline_decodes, steps, c_hat, references, vocabulary)
+  if 'tokens_per_sentence' in row and 'speedup' in row:
+    baseline_tokens = float(np.mean(np.sum(baseline_decodes > 0, axis=1)))
+    row['speedup_per_token'] = row['speedup'] * row['tokens_per_sentence'] / baseline_tokens
+  if run.get('loop_iterations') and 'ms_per_sentence' in row:
+    # What one target call (with its draft phase) costs: two verifiers' calls compare directly.
+    row['ms_per_call'] = row['ms_per_sentence'] * len(baseline_decodes) / run['loop_iterations']
+  return row
+
+
+def _summary(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.ndarray,
+             steps: Mapping[str, Mapping[int, float]], c_hat: float,
+             references: Sequence[str], vocabulary: Any) -> Dict[str, Any]:
   texts = [vocabulary.decode(row) for row in run['decodes']]
   row = {'name': setting.name, **setting._asdict(),
          **{k: v for k, v in run.items() if k not in ('decodes', 'stats')},

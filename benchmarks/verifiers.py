@@ -24,6 +24,12 @@ each --speed_gammas with both verifiers and the --speed_trees, timed round-robin
 (its `batch_block`). On this CPU a verify call over more than ~9 rows (batch x (gamma + 1)) is
 arithmetic-bound; the table says which rows are.
 
+Verdict cost: for each --verdict_batches size and --speed_gammas gamma, the ms of token and of
+block verification's verdict alone (distributions of the embedded vocabulary's width in, the
+number accepted and the next token out), many verdicts in one compiled loop so that no
+dispatch is counted: what block verification adds to a loop iteration, beside the ms per
+target call of the speed part.
+
 Writes verifiers.json (after every part) and verifiers.md.
 """
 
@@ -32,6 +38,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
@@ -40,6 +48,7 @@ from benchmarks.harness import Setting
 from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import pipeline
+from speculative_t5x import policy
 from speculative_t5x import trees
 
 NAME = 'verifiers'
@@ -65,6 +74,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--speed_gammas', default='1,2',
                  help='gammas timed against target-only sampling (empty: none)')
   p.add_argument('--speed_trees', default='2;3,1', help="tree shapes timed (empty: none)")
+  p.add_argument('--verdict_batches', default='',
+                 help='batch sizes of the verdict cost part, at each --speed_gammas (empty: none)')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
@@ -81,6 +92,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     raise SystemExit(f"error: --sampling wants temperature:top-p pairs like 1:0,1:0.9, got "
                      f"{args.sampling!r}") from None
   args.speed_tree_list = parse_trees(args.speed_trees, '--speed_trees')
+  args.verdict_batch_list = harness.parse_ints(args.verdict_batches, '--verdict_batches')
   # benchmarks.speed.batch_block's flags: no HF rows and no calibration here.
   args.hf, args.hf_gammas, args.hf_threads, args.calibration = False, '', 1, None
   return args
@@ -165,6 +177,53 @@ def speed_settings(gammas: Sequence[int], tree_shapes: Sequence[str]) -> List[Se
           [Setting('tree', 1.0, branching=b) for b in tree_shapes])
 
 
+VERDICTS_PER_CALL = 32
+
+
+def _verdicts(batch: int, gamma: int, vocab: int, verification: str) -> Callable[[], Any]:
+  """VERDICTS_PER_CALL sampled verdicts of one verifier at T=1 over random target and draft
+  distributions [batch, gamma (+ 1), vocab], compiled as one loop (each depends on the last)."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  logits = 3.0 * jax.random.normal(keys[0], (batch, gamma + 1, vocab))
+  q = jax.nn.softmax(logits[:, :gamma] + jax.random.normal(keys[1], (batch, gamma, vocab)), -1)
+  tokens = jax.random.randint(keys[2], (batch, gamma), 0, vocab)
+  cfg = decoding._LoopConfig(  # the loop's own verdict, as _draft_verify_loop calls it
+      gamma=gamma, rule=decoding.speculative_rule(), temperature=1.0, topk=0, topp=0.0,
+      rescale_log_probs=True, confidence_threshold=0.0, adaptive_gamma=False, eos_id=1,
+      block=verification == 'block')
+  full = jnp.full((batch,), gamma, jnp.int32)
+  draft = decoding.Draft(tokens, q, full, jnp.ones((batch,), bool), full,
+                         jnp.zeros((batch,), bool))
+
+  @jax.jit
+  def run(logits, rng):
+    def body(i, carry):
+      accept_rng, extra_rng = jax.random.split(jax.random.fold_in(rng, i))
+      verdict = decoding._verify_sampled(cfg, logits + 1e-9 * carry[:, None, None],
+                                         jnp.zeros((batch, gamma + 1), jnp.int32), draft,
+                                         accept_rng, extra_rng)
+      return carry + verdict.num_accepted + verdict.extra
+    return jax.lax.fori_loop(0, VERDICTS_PER_CALL, body, jnp.zeros((batch,), jnp.int32))
+
+  return lambda: run(logits, keys[0])
+
+
+def verdict_costs(batch_sizes: Sequence[int], gammas: Sequence[int], vocab: int,
+                  rounds: int) -> List[Dict[str, Any]]:
+  """Per (batch, gamma): ms of one verdict of each verifier (module docstring), round-robin."""
+  rows = []
+  for batch in batch_sizes:
+    for gamma in gammas:
+      passes = {v: _verdicts(batch, gamma, vocab, v) for v in decoding.VERIFICATIONS}
+      times = policy.round_robin(passes, rounds + 1)  # the first round compiles
+      ms = {v: 1e3 * float(np.median(t[1:])) / VERDICTS_PER_CALL for v, t in times.items()}
+      rows.append({'batch': batch, 'gamma': gamma, **{f'{v}_ms': ms[v] for v in ms},
+                   'block_extra_ms': ms['block'] - ms['token']})
+      print(f"verdict at batch {batch}, gamma {gamma}: token {ms['token']:.3f} ms, block "
+            f"{ms['block']:.3f} ms", flush=True)
+  return rows
+
+
 def verify_rows(setting: Mapping[str, Any]) -> int:
   """Tokens a verify call scores per row: gamma + 1, or the tree's nodes (0: target alone)."""
   if setting['method'] == 'tree':
@@ -220,7 +279,11 @@ def markdown(results: Mapping[str, Any]) -> str:
              f"{r['tokens_per_call']:.3f}"] for r in results['greedy']]) + ['']
   for batch_size, block in results.get('batches', {}).items():
     lines += [f"## Speed at batch {batch_size} ({block['num_sentences']} sentences, T=1; "
-              f"median of {results['meta']['rounds']} interleaved rounds)", '']
+              f"median of {results['meta']['rounds']} interleaved rounds)", '',
+              'Each configuration samples its own outputs: per output token, their lengths '
+              '(a few % apart) do not count as speed. ms/target call: a loop iteration (draft '
+              'phase, verify call, verdict), what two verifiers of the same gamma compare on.',
+              '']
     table = []
     for r in block['rows']:
       rows_per_call = int(batch_size) * verify_rows(r)
@@ -228,12 +291,36 @@ def markdown(results: Mapping[str, Any]) -> str:
                 'bandwidth-bound') if rows_per_call else ''
       table.append([r['name'], f"{r['ms_per_sentence']:.1f}", f"{r['speedup']:.2f}x",
                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
-                    harness.fmt(r.get('alpha'), '.3f'), harness.fmt(r.get('tokens_per_call'),
+                    harness.fmt(r.get('speedup_per_token'), '.3f'),
+                    harness.fmt(r.get('ms_per_call'), '.2f'), harness.fmt(r.get('alpha'), '.3f'), harness.fmt(r.get('tokens_per_call'),
                                                                       '.2f'),
                     str(rows_per_call or ''), regime])
-    lines += harness.table(('configuration', 'ms/sentence', 'speedup', 'range', 'alpha',
+    lines += harness.table(('configuration', 'ms/sentence', 'speedup', 'range',
+                            'speedup per output token', 'ms/target call', 'alpha',
                             'tokens/call', 'verify rows', 'regime on this CPU'), table) + ['']
+  if results.get('verdicts'):
+    lines += verdict_table(results)
   return '\n'.join(lines)
+
+
+def verdict_table(results: Mapping[str, Any]) -> List[str]:
+  """The verdict costs, each beside the ms per target call of the same batch and gamma's
+  token-verification loop when the speed part measured it."""
+  calls = {(int(b), r['gamma']): r['ms_per_call'] for b, block in results['batches'].items()
+           for r in block['rows'] if r.get('verification') == 'token' and 'ms_per_call' in r}
+  lines = [f"## Verdict cost (T=1, vocabulary {results['meta']['vocab']}; median of "
+           f"{results['meta']['rounds']} rounds of {VERDICTS_PER_CALL} verdicts in one "
+           "compiled loop)", '']
+  table = []
+  for r in results['verdicts']:
+    call = calls.get((r['batch'], r['gamma']))
+    share = f"{r['block_extra_ms'] / call:.2%}" if call else ''
+    table.append([str(r['batch']), str(r['gamma']), f"{r['token_ms']:.3f}",
+                  f"{r['block_ms']:.3f}", f"{r['block_extra_ms']:+.3f}",
+                  harness.fmt(call, '.2f'), share])
+  return lines + harness.table(('batch', 'gamma', 'token verdict ms', 'block verdict ms',
+                                'block extra ms', 'ms/target call (token loop)',
+                                'extra / call'), table) + ['']
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -246,7 +333,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                   'test_2016_flickr',
                                   count_sentences=args.count_sentences,
                                   count_batch=args.count_batch,
-                                  greedy_sentences=args.greedy_sentences), 'batches': {}}
+                                  greedy_sentences=args.greedy_sentences,
+                                  vocab=pair.configs['target'].vocab_size), 'batches': {}}
 
   def written(part):
     def write(rows):
@@ -272,6 +360,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           pair, settings, batch_size, sources[:count], references[:count], args,
           flops['draft'] / flops['target'])
       paths = harness.write_results(args, NAME, results, markdown)
+  if args.verdict_batch_list:
+    results['verdicts'] = verdict_costs(args.verdict_batch_list, args.speed_gamma_list,
+                                        pair.configs['target'].vocab_size, args.rounds)
+    paths = harness.write_results(args, NAME, results, markdown)
   print('wrote', *paths)
   return results
 

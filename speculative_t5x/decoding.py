@@ -52,8 +52,16 @@ Array = jnp.ndarray
 PyTree = Any
 
 MIN_TEMPERATURE = 1e-4
-# How speculative sampling judges a draft (`speculative_sample`'s `verification`).
+# How speculative sampling judges a draft (`speculative_sample`'s `verification`); 'auto' picks
+# one of them per compiled loop (`resolve_verification`).
 VERIFICATIONS = ('token', 'block')
+AUTO_VERIFICATION = 'auto'
+# 'auto' verifies blocks from this gamma on when sampling. Block verification never keeps fewer
+# tokens per call in expectation (Sun et al. 2025) and keeps the same at gamma 1; its verdict
+# reads every position's residual, which cost at most 0.7% of a target call at batch 1-32 on
+# the project's CPU, against +0.6 / 2.2 / 2.9 / 6.3% tokens per call at gamma 2-5, T=1
+# (results/cpu/verifiers_auto/README.md).
+BLOCK_FROM_GAMMA = 2
 # Logit given to masked tokens (T5X's value): finite, so no inf - inf in the arithmetic.
 NEG_INF = -1e7
 
@@ -950,6 +958,23 @@ def temperature_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                  cache_offset, max_decode_steps, return_stats, initial_index)
 
 
+def resolve_verification(verification: str, gamma: int, temperature: Temperature,
+                         lenience: float = 1.0, rule: Optional[VerifyRule] = None) -> str:
+  """The verifier a loop runs: 'token' or 'block' as given; for 'auto', 'block' where it keeps
+  more for what it costs (the exact rule sampling at gamma >= BLOCK_FROM_GAMMA; an operand
+  temperature counts as sampling, its zero rows verify as greedy either way), else 'token'
+  (a static temperature 0 and gamma 1 give the same verdicts either way; a lenience or a custom
+  rule has no block form). Raises ValueError naming the accepted values."""
+  if verification == AUTO_VERIFICATION:
+    greedy = is_static(temperature) and temperature <= MIN_TEMPERATURE
+    exact = rule is None and lenience == 1.0
+    return 'block' if exact and not greedy and gamma >= BLOCK_FROM_GAMMA else 'token'
+  if verification not in VERIFICATIONS:
+    raise ValueError(f'verification must be one of {VERIFICATIONS + (AUTO_VERIFICATION,)}, '
+                     f'got {verification!r}.')
+  return verification
+
+
 def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits,
                        draft_cache: Any, draft_tokens_to_logits: TokensToLogits, eos_id: int,
                        decode_rng: Optional[Array] = None, num_decodes: int = 1, gamma: int = 4,
@@ -959,7 +984,7 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                        initial_index: Optional[Array] = None,
                        max_decode_steps: Optional[Union[int, Array]] = None,
                        rescale_log_probs: bool = True, return_stats: bool = False,
-                       rule: Optional[VerifyRule] = None, verification: str = 'token'):
+                       rule: Optional[VerifyRule] = None, verification: str = 'auto'):
   """Speculative sampling (Leviathan, Kalman, Matias 2023): the target's distribution, faster.
 
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
@@ -972,9 +997,10 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
     rejection, within [1, gamma]. draft_confidence_threshold: a row stops drafting when the
     draft's top probability falls below it (the unconfident token is not proposed). Both only
     change how many tokens are proposed, so the output distribution is unchanged.
-  verification: 'token' (Leviathan et al.: left to right, stop at the first rejection) or
+  verification: 'token' (Leviathan et al.: left to right, stop at the first rejection),
     'block' (Sun et al. 2025, `_block_verdict`: the draft judged as a whole, never fewer tokens
-    per call in expectation; exact, lenience 1 only). Both are the same greedy rule at
+    per call in expectation; exact, lenience 1 only) or 'auto' (the default: block when
+    sampling at gamma >= 2, `resolve_verification`). Both are the same greedy rule at
     temperature 0, where the block form adds no work.
   lenience: 1 is exact; below 1 accepts more and is lossy (see `speculative_rule`). Its greedy
     form (accept when p(x) >= lenience max p) needs a static temperature 0.0; greedy rows of an
@@ -997,9 +1023,7 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                               temperature, topk, topp, cache_offset, initial_index,
                               max_decode_steps, rescale_log_probs=rescale_log_probs,
                               return_stats=return_stats)
-  if verification not in VERIFICATIONS:
-    raise ValueError(f'verification must be one of {VERIFICATIONS}, got {verification!r}.')
-  block = verification == 'block'
+  block = resolve_verification(verification, gamma, temperature, lenience, rule) == 'block'
   if block and (rule is not None or lenience != 1.0):
     raise ValueError("verification='block' is the exact rule: it takes no `rule` and "
                      f'lenience 1 only (got lenience {lenience}).')

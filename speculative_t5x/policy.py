@@ -10,6 +10,9 @@ open into its candidates, ordered from the plain decoder to the most speculative
 
   speculative_sample, gamma='auto'              0 (temperature_sample: the target alone, same
                                                 temperature / topk / topp), 1, ..., max_gamma
+                                                (each verifying as the job asks; 'auto', the
+                                                default: block verification when sampling at
+                                                gamma >= 2, `decoding.resolve_verification`)
   speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
 and a `DecodingPolicy` that picks one per batch. A job's batches run as a fixed decoder's would,

@@ -211,7 +211,8 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
                               '--speed_gammas', '', '--speed_trees', ''])
   results = written(tmp_path, 'verifiers', 'Verifiers')
   names = [r['name'] for r in results['acceptance']]
-  assert names == ['speculative gamma=1 T=1', 'speculative gamma=1 block T=1', 'tree (2) T=1']
+  assert names == ['speculative gamma=1 token T=1', 'speculative gamma=1 block T=1',
+                   'tree (2) T=1']
   assert all(r['tokens_per_call'] >= 1.0 for r in results['acceptance'])
   assert not results['batches']
   assert '| T=1 | (2) | 1 | 3 |' in (tmp_path / 'verifiers.md').read_text()
@@ -219,6 +220,17 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert [(r['name'], r['temperature_path'], r['identical']) for r in results['greedy']] == [
       ('speculative gamma=2 block T=0', 'operand', 1.0), ('tree (2,1) T=0', 'operand', 1.0),
       ('tree (2,1) T=0', 'static', 1.0)]
+
+
+def test_verifiers_verdict_costs() -> None:
+  rows = verifiers.verdict_costs([2], [2, 3], vocab=64, rounds=1)
+  assert [(r['batch'], r['gamma']) for r in rows] == [(2, 2), (2, 3)]
+  assert all(r['token_ms'] > 0 and r['block_ms'] > 0 and
+             r['block_extra_ms'] == r['block_ms'] - r['token_ms'] for r in rows)
+  speed_row = {'verification': 'token', 'gamma': 2, 'ms_per_call': 4.0}
+  table = verifiers.verdict_table({'meta': {'vocab': 64, 'rounds': 1}, 'verdicts': rows,
+                                   'batches': {'2': {'rows': [speed_row]}}})
+  assert f"{rows[0]['block_extra_ms'] / 4.0:.2%}" in table[4]  # its share of a target call
 
 
 def test_verifiers_speed_part_sets_every_flag_batch_block_reads() -> None:

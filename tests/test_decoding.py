@@ -192,7 +192,7 @@ def test_temperature_operand_one_compile_and_greedy_rows():
         'greedy': decoding.temperature_sample(inputs, cache, t2l, NO_EOS, temperature=0.0)[0],
         'target': decoding.temperature_sample(inputs, cache, t2l, NO_EOS, topk=0,
                                               temperature=temperature, decode_rng=rng)[0],
-        'speculative': decoding.speculative_sample(**pair, gamma=3)[0],
+        'speculative': decoding.speculative_sample(**pair, gamma=3, verification='token')[0],
         'block': decoding.speculative_sample(**pair, gamma=3, verification='block')[0],
         'tree': trees.tree_speculative_sample(**pair, branching=(2, 1))[0],
         # Rollback threshold 0: BiLD's greedy output is the large model's.
@@ -344,7 +344,7 @@ def test_speculative_sampling_is_exact_and_controls_fail(setting):
     draft_cache, d2l = start_decoding(*draft, encs, SMALL_LEN)
     return decoding.speculative_sample(inputs, cache, t2l, draft_cache, d2l, SMALL_EOS,
                                        decode_rng=rng, gamma=2, rule=rule,
-                                       return_stats=True, **kwargs)
+                                       verification='token', return_stats=True, **kwargs)
 
   decodes, _, stats = sample(None, jax.random.PRNGKey(0))
   alpha = float(np.asarray(stats.accepted).sum() / np.asarray(stats.proposed).sum())

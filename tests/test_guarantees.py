@@ -87,7 +87,7 @@ def test_bild_default_thresholds_are_lossy():
 @pytest.mark.parametrize('lenience', [0.5, 1.0])
 def test_lenience_below_one_is_lossy_and_one_is_exact(lenience):
   samples, stats = _sample(decoding.speculative_sample, temperature=1.0, gamma=2,
-                           lenience=lenience)
+                           lenience=lenience, verification='token')
   p_value = _p_value(samples, 1.0)
   alpha = stats.accepted / stats.proposed
   print(f'speculative sampling, lenience {lenience}: p={p_value:.3g}, alpha={alpha:.3f}')
@@ -98,12 +98,13 @@ def test_lenience_below_one_is_lossy_and_one_is_exact(lenience):
     assert p_value < DIFFERENT, f'lenience {lenience} gives the target\'s distribution'
 
 
-def test_a_draft_with_a_cut_vocabulary_samples_the_target():
+@pytest.mark.parametrize('verification', ['token', 'auto'])
+def test_a_draft_with_a_cut_vocabulary_samples_the_target(verification):
   """A draft restricted to tokens 0-3 of 6 never proposes 4 or 5, which the target emits on its
   own: speculative sampling stays the target's sampler (the acceptance uses the distribution
-  the draft sampled from)."""
+  the draft sampled from), by token verification and by the default (block, at gamma 2)."""
   samples, stats = _sample(decoding.speculative_sample, draft_vocabulary=np.arange(4),
-                           temperature=1.0, gamma=2)
+                           temperature=1.0, gamma=2, verification=verification)
   p_value = _p_value(samples, 1.0)
   print(f'speculative sampling, draft vocabulary 0-3: p={p_value:.3g}, '
         f'alpha={stats.accepted / stats.proposed:.3f}')

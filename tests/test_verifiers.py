@@ -215,6 +215,26 @@ def test_bad_verification_settings_are_one_line(kwargs, message):
                                 **kwargs)
 
 
+def test_auto_verification_is_block_where_sampling_gives_it_something_to_keep():
+  """'auto' (the default) resolves to block verification when sampling at gamma >= 2 with the
+  exact rule, and to token verification where the two give the same verdicts (gamma 1, a
+  static temperature 0) or block has no form (a lenience, a custom rule); through the decoder,
+  the default draws exactly the samples of the verifier it resolves to."""
+  resolve = decoding.resolve_verification
+  assert resolve('auto', 2, 1.0) == resolve('auto', 4, jnp.zeros((3,))) == 'block'
+  assert resolve('auto', 1, 1.0) == resolve('auto', 4, 0.0) == 'token'
+  assert resolve('auto', 4, 1.0, lenience=0.5) == 'token'
+  assert resolve('auto', 4, 1.0, rule=decoding.speculative_rule()) == 'token'
+  assert resolve('token', 4, 1.0) == 'token' and resolve('block', 1, 0.0) == 'block'
+  args, _ = _greedy_rows(rows=16)
+  draw = lambda gamma, verification: np.asarray(decoding.speculative_sample(
+      *args, gamma=gamma, temperature=1.0, decode_rng=jax.random.PRNGKey(5),
+      verification=verification)[0])
+  np.testing.assert_array_equal(draw(3, 'auto'), draw(3, 'block'))
+  assert not np.array_equal(draw(3, 'auto'), draw(3, 'token'))  # the check can tell them apart
+  np.testing.assert_array_equal(draw(1, 'auto'), draw(1, 'token'))
+
+
 # ------------------------------------------------------------------------------------------------
 # Token trees: exact with drafts drawn without replacement, greedy trees are greedy.
 
