@@ -70,11 +70,20 @@ AUTO = 'auto'
 # job cannot afford to try speculation (at T=1 the embedded pair's gamma 1 was 1.12x at batch 8,
 # and a 24-batch job starting without it never tried it). Above that, the target alone: on a
 # CPU a verify call over 64 rows is arithmetic-bound (gamma 1 at batch 32: 0.97x and 1.04x in
-# two runs, no clear gain), and a 6-batch job cannot search its way back.
+# two runs, no clear gain), and a 6-batch job cannot search its way back. Sampling one row a
+# batch starts at ONE_ROW_SAMPLING_FALLBACK_GAMMA: a verify call of a few tokens for one row is
+# bandwidth-bound on every machine (about one step's cost), the embedded pair's fastest gamma
+# there was 4, and the search, which climbs one gamma at a time through batches whose time
+# varies by 15-25%, got there late from gamma 1 (0.92 of the best fixed gamma measured, 0.90 in
+# benchmarks.policy_sim; from gamma 3: 0.99 measured, 0.95 simulated). The separate draft,
+# whose best at T=1 is the target alone, lost nothing (0.981 and 0.984 simulated): the target
+# alone is always within reach. Greedy keeps FALLBACK_GAMMA: it reached 0.99 of the best from
+# there, and one run from gamma 3 gave 0.93.
 MAX_GAMMA = 4
 FALLBACK_GAMMA = 2
 SAMPLING_FALLBACK_GAMMA = 1
 SAMPLING_FALLBACK_ROWS = 8
+ONE_ROW_SAMPLING_FALLBACK_GAMMA = 3
 # branching='auto' candidates, () = beam_search itself (the fallback: a tree call over 4 beams is
 # arithmetic-bound on a CPU and did not pay there).
 TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
@@ -581,10 +590,12 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
 
 def fallback_gamma(temperature: Any, batch_size: Optional[int] = None) -> int:
   """The gamma of a job's first batch: FALLBACK_GAMMA when greedy; when sampling,
-  SAMPLING_FALLBACK_GAMMA at batch sizes up to SAMPLING_FALLBACK_ROWS, else 0 (the target
-  alone; also when the batch size is not known)."""
+  ONE_ROW_SAMPLING_FALLBACK_GAMMA at batch size 1, SAMPLING_FALLBACK_GAMMA at batch sizes up
+  to SAMPLING_FALLBACK_ROWS, else 0 (the target alone; also when the batch size is not known)."""
   if np.all(np.asarray(temperature) == 0.0):
     return FALLBACK_GAMMA
+  if batch_size == 1:
+    return ONE_ROW_SAMPLING_FALLBACK_GAMMA
   small = batch_size is not None and batch_size <= SAMPLING_FALLBACK_ROWS
   return SAMPLING_FALLBACK_GAMMA if small else 0
 

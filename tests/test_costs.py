@@ -218,7 +218,8 @@ def test_a_model_without_counts_leaves_the_timing_search_alone():
 def test_a_calibration_serves_only_jobs_at_its_temperature():
   calibrated = {0.0: costs.Calibration({1: 4}, {1: model()}),
                 1.0: costs.Calibration({1: 1}, {1: model()}, temperature=1.0)}
-  for job, made_at, fallback, follows in ((0.0, 0.0, 4, True), (1.0, 0.0, 1, False),
+  one_row = policy.ONE_ROW_SAMPLING_FALLBACK_GAMMA  # the uncalibrated start
+  for job, made_at, fallback, follows in ((0.0, 0.0, 4, True), (1.0, 0.0, one_row, False),
                                           (1.0, 1.0, 1, True), (0.0, 1.0, 2, False)):
     kwargs = {'gamma': 'auto', 'temperature': job}
     pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1,

@@ -178,13 +178,27 @@ def test_sampling_starts_speculative_where_a_short_job_could_not_afford_to_try_i
   24-batch job never has (the embedded pair at batch 8, T=1: gamma 1 1.12x, never tried); from
   gamma 1 the target alone is exempt. Above SAMPLING_FALLBACK_ROWS, the target alone."""
   assert policy.fallback_gamma(0.0, 32) == policy.FALLBACK_GAMMA
-  assert [policy.fallback_gamma(1.0, b) for b in (1, 8, 9, 32, None)] == [1, 1, 0, 0, 0]
-  assert policy.fallback_gamma(np.array([0.0, 0.7]), 1) == policy.SAMPLING_FALLBACK_GAMMA
+  assert [policy.fallback_gamma(1.0, b) for b in (2, 8, 9, 32, None)] == [1, 1, 0, 0, 0]
+  assert policy.fallback_gamma(np.array([0.0, 0.7]), 2) == policy.SAMPLING_FALLBACK_GAMMA
   scenario = _scenario('embedded pair, batch 8 T=1')
   from_target = dataclasses.replace(scenario, fallback=0)
   assert policy_sim.evaluate(from_target, range(4), passes=1)['job']['batches'] == {'0': 24.0}
   result = policy_sim.evaluate(scenario, range(12), passes=1)
   assert result['job']['vs_best'] >= 0.95 and result['job']['vs_plain'] >= 1.05, result
+
+
+@pytest.mark.parametrize('name', ['embedded pair, batch 1 T=1', 'separate draft, batch 1 T=1'])
+def test_sampling_one_row_starts_near_the_top_where_a_verify_call_costs_about_a_step(name):
+  """At batch 1 the search climbing from gamma 1 reaches the embedded pair's gamma 4 late (T=1);
+  from ONE_ROW_SAMPLING_FALLBACK_GAMMA it gets closer to the best, and the separate draft,
+  whose best at T=1 is the target alone, loses nothing to the higher start."""
+  assert policy.fallback_gamma(1.0, 1) == policy.ONE_ROW_SAMPLING_FALLBACK_GAMMA == 3
+  assert policy.fallback_gamma(0.0, 1) == policy.FALLBACK_GAMMA
+  scenario = _scenario(name)
+  assert scenario.fallback == policy.ONE_ROW_SAMPLING_FALLBACK_GAMMA
+  job = lambda s: policy_sim.evaluate(s, range(8), passes=1)['job']['vs_best']
+  high, low = job(scenario), job(dataclasses.replace(scenario, fallback=1))
+  assert high >= 0.95 and high >= low, (high, low)
 
 
 def test_a_short_job_runs_the_fallback_and_says_so():
