@@ -1018,12 +1018,12 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                      'speculative_sample an int.')
   if gamma < 0:
     raise ValueError(f'gamma must be >= 0, got {gamma}.')
+  block = resolve_verification(verification, gamma, temperature, lenience, rule) == 'block'
   if gamma == 0:  # the target alone: a calibrated choice where speculation does not pay
     return temperature_sample(inputs, cache, tokens_to_logits, eos_id, decode_rng, num_decodes,
                               temperature, topk, topp, cache_offset, initial_index,
                               max_decode_steps, rescale_log_probs=rescale_log_probs,
                               return_stats=return_stats)
-  block = resolve_verification(verification, gamma, temperature, lenience, rule) == 'block'
   if block and (rule is not None or lenience != 1.0):
     raise ValueError("verification='block' is the exact rule: it takes no `rule` and "
                      f'lenience 1 only (got lenience {lenience}).')

@@ -622,6 +622,9 @@ def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str
   if decode_kwargs.get('lenience', 1.0) != 1.0 or decode_kwargs.get('rule') is not None:
     raise ValueError("gamma='auto' needs exact speculative sampling (lenience 1, no custom "
                      'rule): it also considers the target alone.')
+  # Checked here too: the job's first batches may run the target alone and never trace it.
+  decoding.resolve_verification(decode_kwargs.get('verification', decoding.AUTO_VERIFICATION),
+                                max_gamma, decode_kwargs.get('temperature', 1.0))
   target_only = {k: decode_kwargs[k] for k in ('temperature', 'topk', 'topp', 'rescale_log_probs',
                                                'max_decode_steps') if k in decode_kwargs}
   target_only.setdefault('topk', 0)  # speculative_sample's default, not T5X's topk=1

@@ -91,6 +91,10 @@ INFER_CASES = {
     'negative topk': (None, ['--gin.decoding.speculative_sample.topk=-1'], [], 'topk must be'),
     'topp above 1': (None, ['--gin.decoding.speculative_sample.topp=1.5'], [], 'topp must be'),
     'topp below 0': (None, ['--gin.decoding.speculative_sample.topp=-0.1'], [], 'topp must be'),
+    # Sampling at batch 32 starts with the target alone, which never reads it: checked up front.
+    'unknown verifier': (None, ["--gin.decoding.speculative_sample.verification='blok'"],
+                         ['gin_configs/decoding/speculative_sampling.gin'],
+                         "verification must be 'auto', 'token' or 'block', got 'blok'"),
     'beam size 0': (None, ['--gin.infer_script.infer.num_decodes=0'],
                     ['gin_configs/decoding/beam_search.gin'], 'the beam size'),
     'batch size 0': (None, ['--gin.infer_script.infer.batch_size=0'], [], 'batch_size must be'),
