@@ -24,11 +24,12 @@ each --speed_gammas with both verifiers and the --speed_trees, timed round-robin
 (its `batch_block`). On this CPU a verify call over more than ~9 rows (batch x (gamma + 1)) is
 arithmetic-bound; the table says which rows are.
 
-Verdict cost: for each --verdict_batches size and --speed_gammas gamma, the ms of token and of
+Verdict cost: for each --verdict_batches size and --verdict_gammas gamma, the ms of token and of
 block verification's verdict alone (distributions of the embedded vocabulary's width in, the
 number accepted and the next token out), many verdicts in one compiled loop so that no
 dispatch is counted: what block verification adds to a loop iteration, beside the ms per
-target call of the speed part.
+target call of the speed part; and the bytes one compiled verdict accesses at
+--verdict_bytes_vocab (XLA's cost analysis): what it adds where a step is bound by reading memory.
 
 Writes verifiers.json (after every part) and verifiers.md.
 """
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import compiled
 from benchmarks import harness
 from benchmarks import speed
 from benchmarks.harness import Setting
@@ -75,7 +77,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help='gammas timed against target-only sampling (empty: none)')
   p.add_argument('--speed_trees', default='2;3,1', help="tree shapes timed (empty: none)")
   p.add_argument('--verdict_batches', default='',
-                 help='batch sizes of the verdict cost part, at each --speed_gammas (empty: none)')
+                 help='batch sizes of the verdict cost part (empty: none)')
+  p.add_argument('--verdict_gammas', default='',
+                 help='gammas of the verdict cost part (empty: --speed_gammas)')
+  p.add_argument('--verdict_bytes_vocab', type=int, default=0,
+                 help="vocabulary of the verdicts whose bytes are counted (0: the pair's; "
+                      "T5's is 32128)")
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
@@ -93,6 +100,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                      f"{args.sampling!r}") from None
   args.speed_tree_list = parse_trees(args.speed_trees, '--speed_trees')
   args.verdict_batch_list = harness.parse_ints(args.verdict_batches, '--verdict_batches')
+  args.verdict_gamma_list = (harness.parse_ints(args.verdict_gammas, '--verdict_gammas') or
+                             args.speed_gamma_list)
   # benchmarks.speed.batch_block's flags: no HF rows and no calibration here.
   args.hf, args.hf_gammas, args.hf_threads, args.calibration = False, '', 1, None
   return args
@@ -180,37 +189,60 @@ def speed_settings(gammas: Sequence[int], tree_shapes: Sequence[str]) -> List[Se
 VERDICTS_PER_CALL = 32
 
 
-def _verdicts(batch: int, gamma: int, vocab: int, verification: str) -> Callable[[], Any]:
-  """VERDICTS_PER_CALL sampled verdicts of one verifier at T=1 over random target and draft
-  distributions [batch, gamma (+ 1), vocab], compiled as one loop (each depends on the last)."""
-  keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  logits = 3.0 * jax.random.normal(keys[0], (batch, gamma + 1, vocab))
-  q = jax.nn.softmax(logits[:, :gamma] + jax.random.normal(keys[1], (batch, gamma, vocab)), -1)
-  tokens = jax.random.randint(keys[2], (batch, gamma), 0, vocab)
+def _verdict(batch: int, gamma: int, verification: str) -> Callable[..., Any]:
+  """One sampled verdict at T=1, as the loop calls it: (target logits [batch, gamma + 1, vocab],
+  draft distributions [batch, gamma, vocab], proposals [batch, gamma], key) -> (number
+  accepted, next token) [batch] each."""
   cfg = decoding._LoopConfig(  # the loop's own verdict, as _draft_verify_loop calls it
       gamma=gamma, rule=decoding.speculative_rule(), temperature=1.0, topk=0, topp=0.0,
       rescale_log_probs=True, confidence_threshold=0.0, adaptive_gamma=False, eos_id=1,
       block=verification == 'block')
   full = jnp.full((batch,), gamma, jnp.int32)
-  draft = decoding.Draft(tokens, q, full, jnp.ones((batch,), bool), full,
-                         jnp.zeros((batch,), bool))
+
+  def verdict(logits, q, tokens, rng):
+    draft = decoding.Draft(tokens, q, full, jnp.ones((batch,), bool), full,
+                           jnp.zeros((batch,), bool))
+    accept_rng, extra_rng = jax.random.split(rng)
+    out = decoding._verify_sampled(cfg, logits, jnp.zeros((batch, gamma + 1), jnp.int32), draft,
+                                   accept_rng, extra_rng)
+    return out.num_accepted, out.extra
+  return verdict
+
+
+def _verdicts(batch: int, gamma: int, vocab: int, verification: str) -> Callable[[], Any]:
+  """VERDICTS_PER_CALL verdicts of one verifier over random target and draft distributions,
+  compiled as one loop (each depends on the last)."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  logits = 3.0 * jax.random.normal(keys[0], (batch, gamma + 1, vocab))
+  q = jax.nn.softmax(logits[:, :gamma] + jax.random.normal(keys[1], (batch, gamma, vocab)), -1)
+  tokens = jax.random.randint(keys[2], (batch, gamma), 0, vocab)
+  verdict = _verdict(batch, gamma, verification)
 
   @jax.jit
   def run(logits, rng):
     def body(i, carry):
-      accept_rng, extra_rng = jax.random.split(jax.random.fold_in(rng, i))
-      verdict = decoding._verify_sampled(cfg, logits + 1e-9 * carry[:, None, None],
-                                         jnp.zeros((batch, gamma + 1), jnp.int32), draft,
-                                         accept_rng, extra_rng)
-      return carry + verdict.num_accepted + verdict.extra
+      accepted, extra = verdict(logits + 1e-9 * carry[:, None, None], q, tokens,
+                                jax.random.fold_in(rng, i))
+      return carry + accepted + extra
     return jax.lax.fori_loop(0, VERDICTS_PER_CALL, body, jnp.zeros((batch,), jnp.int32))
 
   return lambda: run(logits, keys[0])
 
 
+def verdict_bytes(batch: int, gamma: int, vocab: int, verification: str) -> float:
+  """Bytes one compiled verdict accesses (XLA's cost analysis): what it adds to a call where a
+  step is bound by reading memory."""
+  shapes = (jax.ShapeDtypeStruct((batch, gamma + 1, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((batch, gamma, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((batch, gamma), jnp.int32), jax.random.PRNGKey(0))
+  return compiled.cost(jax.jit(_verdict(batch, gamma, verification)).lower(*shapes).compile()
+                       )['bytes_accessed']
+
+
 def verdict_costs(batch_sizes: Sequence[int], gammas: Sequence[int], vocab: int,
-                  rounds: int) -> List[Dict[str, Any]]:
-  """Per (batch, gamma): ms of one verdict of each verifier (module docstring), round-robin."""
+                  rounds: int, bytes_vocab: int = 0) -> List[Dict[str, Any]]:
+  """Per (batch, gamma): ms of one verdict of each verifier (module docstring), round-robin,
+  and the bytes each accesses at `bytes_vocab` (0: `vocab`)."""
   rows = []
   for batch in batch_sizes:
     for gamma in gammas:
@@ -218,7 +250,9 @@ def verdict_costs(batch_sizes: Sequence[int], gammas: Sequence[int], vocab: int,
       times = policy.round_robin(passes, rounds + 1)  # the first round compiles
       ms = {v: 1e3 * float(np.median(t[1:])) / VERDICTS_PER_CALL for v, t in times.items()}
       rows.append({'batch': batch, 'gamma': gamma, **{f'{v}_ms': ms[v] for v in ms},
-                   'block_extra_ms': ms['block'] - ms['token']})
+                   'block_extra_ms': ms['block'] - ms['token'],
+                   **{f'{v}_bytes': verdict_bytes(batch, gamma, bytes_vocab or vocab, v)
+                      for v in decoding.VERIFICATIONS}})
       print(f"verdict at batch {batch}, gamma {gamma}: token {ms['token']:.3f} ms, block "
             f"{ms['block']:.3f} ms", flush=True)
   return rows
@@ -315,12 +349,15 @@ def verdict_table(results: Mapping[str, Any]) -> List[str]:
   for r in results['verdicts']:
     call = calls.get((r['batch'], r['gamma']))
     share = f"{r['block_extra_ms'] / call:.2%}" if call else ''
+    mb = lambda v: harness.fmt(r.get(f'{v}_bytes', 0) / 1e6 or None, '.1f')
     table.append([str(r['batch']), str(r['gamma']), f"{r['token_ms']:.3f}",
                   f"{r['block_ms']:.3f}", f"{r['block_extra_ms']:+.3f}",
-                  harness.fmt(call, '.2f'), share])
+                  harness.fmt(call, '.2f'), share, mb('token'), mb('block')])
+  vocab = results['meta'].get('verdict_bytes_vocab', results['meta']['vocab'])
   return lines + harness.table(('batch', 'gamma', 'token verdict ms', 'block verdict ms',
                                 'block extra ms', 'ms/target call (token loop)',
-                                'extra / call'), table) + ['']
+                                'extra / call', f'token MB (vocabulary {vocab})',
+                                f'block MB (vocabulary {vocab})'), table) + ['']
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -361,8 +398,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           flops['draft'] / flops['target'])
       paths = harness.write_results(args, NAME, results, markdown)
   if args.verdict_batch_list:
-    results['verdicts'] = verdict_costs(args.verdict_batch_list, args.speed_gamma_list,
-                                        pair.configs['target'].vocab_size, args.rounds)
+    results['verdicts'] = verdict_costs(args.verdict_batch_list, args.verdict_gamma_list,
+                                        pair.configs['target'].vocab_size, args.rounds,
+                                        args.verdict_bytes_vocab)
+    results['meta']['verdict_bytes_vocab'] = (args.verdict_bytes_vocab or
+                                              pair.configs['target'].vocab_size)
     paths = harness.write_results(args, NAME, results, markdown)
   print('wrote', *paths)
   return results

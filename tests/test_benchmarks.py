@@ -223,10 +223,12 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
 
 
 def test_verifiers_verdict_costs() -> None:
-  rows = verifiers.verdict_costs([2], [2, 3], vocab=64, rounds=1)
+  rows = verifiers.verdict_costs([2], [2, 3], vocab=64, rounds=1, bytes_vocab=128)
   assert [(r['batch'], r['gamma']) for r in rows] == [(2, 2), (2, 3)]
   assert all(r['token_ms'] > 0 and r['block_ms'] > 0 and
              r['block_extra_ms'] == r['block_ms'] - r['token_ms'] for r in rows)
+  # Block reads every position's distributions where token verification reads one position's.
+  assert all(r['block_bytes'] > r['token_bytes'] > 2 * 4 * 128 * r['gamma'] for r in rows)
   speed_row = {'verification': 'token', 'gamma': 2, 'ms_per_call': 4.0}
   table = verifiers.verdict_table({'meta': {'vocab': 64, 'rounds': 1}, 'verdicts': rows,
                                    'batches': {'2': {'rows': [speed_row]}}})
