@@ -389,7 +389,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
           'target_checkpoint': target_checkpoint_path,
           'draft_checkpoint': draft_checkpoint_path if model.uses_draft else None,
           **job.summary()})
-  summary['policy'] = _policy_summary(records, decoding_policy, batch_size)
+  summary['policy'] = _policy_summary(records, decoding_policy, batch_size, decode_kwargs)
   store.finish(records, summary, gin.operative_config_str())
   logging.info('Wrote %d predictions to %s', len(records), store.output_path)
   return summary
@@ -548,15 +548,21 @@ def _json_record(ex: inputs.Example, tokens: np.ndarray, score: float,
 
 
 def _policy_summary(records: Sequence[Dict[str, Any]], decoding_policy: policy.DecodingPolicy,
-                    batch_size: int) -> Optional[Dict[str, Any]]:
+                    batch_size: int, decode_kwargs: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
   """gamma / branching='auto': the schedule (examples per choice, from the records on disk, so
-  that a resumed run's summary covers every chunk) and this run's measurements; else None."""
+  that a resumed run's summary covers every chunk), the verifier each speculative gamma ran
+  ('auto' resolves per gamma) and this run's measurements; else None."""
   setting = decoding_policy.setting
   if setting is None:
     return None
   used = collections.Counter(str(r['aux']['stats'][setting]) for r in records)
-  return {'batch_size': batch_size, 'examples_by_choice': dict(sorted(used.items())),
-          **decoding_policy.summary()}
+  out = {'batch_size': batch_size, 'examples_by_choice': dict(sorted(used.items()))}
+  if setting == 'gamma':
+    verification = decode_kwargs.get('verification', decoding.AUTO_VERIFICATION)
+    out['verification'] = {g: decoding.resolve_verification(
+        verification, int(g), decode_kwargs.get('temperature', 1.0)) for g in sorted(used)
+        if int(g) > 0}
+  return {**out, **decoding_policy.summary()}
 
 
 def _process_rows(outputs: Any, process: int, local_batch: int) -> Any:

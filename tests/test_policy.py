@@ -297,4 +297,5 @@ def test_infer_with_gamma_auto_equals_a_fixed_gamma(setup, tmp_path):  # noqa: F
   used = {r['aux']['stats']['gamma'] for r in _outputs(tmp_path / 'auto')}
   assert used <= {0, 1, 2} and len(used) >= 2  # 6 batches: the search tried a neighbour
   assert {str(g) for g in used} == set(info['examples_by_choice']) == set(info['measured'])
+  assert info['verification'] == {str(g): 'token' for g in used if g}  # greedy: token verdicts
   assert fixed['policy'] is None
