@@ -399,7 +399,7 @@ def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
   per_batch = [jax.tree.map(np.asarray, aux.get('stats', {})) for _, aux in outputs]
   stats = pipeline.merge_stats(per_batch, [len(d) for d, _ in outputs], num_sentences)
   out = {'decodes': decodes, 'stats': stats}
-  if all('target_calls' in s for s in per_batch) and per_batch:
+  if per_batch and all('target_calls' in s for s in per_batch):
     # A batch's loop runs until its slowest row (padding rows included) is done.
     out['loop_iterations'] = int(sum(np.max(s['target_calls']) for s in per_batch))
   return out

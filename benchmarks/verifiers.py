@@ -326,8 +326,8 @@ def markdown(results: Mapping[str, Any]) -> str:
       table.append([r['name'], f"{r['ms_per_sentence']:.1f}", f"{r['speedup']:.2f}x",
                     f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
                     harness.fmt(r.get('speedup_per_token'), '.3f'),
-                    harness.fmt(r.get('ms_per_call'), '.2f'), harness.fmt(r.get('alpha'), '.3f'), harness.fmt(r.get('tokens_per_call'),
-                                                                      '.2f'),
+                    harness.fmt(r.get('ms_per_call'), '.2f'), harness.fmt(r.get('alpha'), '.3f'),
+                    harness.fmt(r.get('tokens_per_call'), '.2f'),
                     str(rows_per_call or ''), regime])
     lines += harness.table(('configuration', 'ms/sentence', 'speedup', 'range',
                             'speedup per output token', 'ms/target call', 'alpha',

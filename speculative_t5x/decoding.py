@@ -56,6 +56,7 @@ MIN_TEMPERATURE = 1e-4
 # one of them per compiled loop (`resolve_verification`).
 VERIFICATIONS = ('token', 'block')
 AUTO_VERIFICATION = 'auto'
+VERIFICATION_CHOICES = VERIFICATIONS + (AUTO_VERIFICATION,)  # what `verification` accepts
 # 'auto' verifies blocks from this gamma on when sampling. Block verification never keeps fewer
 # tokens per call in expectation (Sun et al. 2025) and keeps the same at gamma 1; its verdict
 # reads every position's residual, which cost at most 0.7% of a target call at batch 1-32 on
@@ -970,7 +971,7 @@ def resolve_verification(verification: str, gamma: int, temperature: Temperature
     exact = rule is None and lenience == 1.0
     return 'block' if exact and not greedy and gamma >= BLOCK_FROM_GAMMA else 'token'
   if verification not in VERIFICATIONS:
-    raise ValueError(f'verification must be one of {VERIFICATIONS + (AUTO_VERIFICATION,)}, '
+    raise ValueError(f'verification must be one of {VERIFICATION_CHOICES}, '
                      f'got {verification!r}.')
   return verification
 

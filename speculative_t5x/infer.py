@@ -236,7 +236,7 @@ _DECODE_ARG_RULES = {
     'rollback_threshold': (lambda v: v >= 0, 'a number >= 0'),
     'max_small_steps': (lambda v: float(v).is_integer() and v >= 1, 'a whole number >= 1'),
     'alpha': (lambda v: v >= 0, 'a number >= 0'),
-    'verification': (lambda v: v in decoding.VERIFICATIONS + (decoding.AUTO_VERIFICATION,),
+    'verification': (lambda v: v in decoding.VERIFICATION_CHOICES,
                      "'auto', 'token' or 'block'"),
 }
 
