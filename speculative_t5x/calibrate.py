@@ -11,7 +11,11 @@ draft's and the encoders, each in isolation (`probes`), and the real decode loop
 round-robin rounds; from them the `costs.StepCosts` model of every gamma, its overheads fitted
 to the loops, and the acceptance the loops counted; the gamma it predicts fastest is the batch
 size's entry in the schedule. --check times every other gamma's loop with them and reports the
-model's error on each (the other gammas are not used for the fit).
+model's error on each (the other gammas are not used for the fit). Each of --trees (token trees,
+`trees.tree_speculative_sample`) runs its real loop in the same rounds: its count gives its
+acceptance lift over the chains, its time the model's error on it; a job under gamma 'auto'
+runs a tree where the model predicts it fastest (the schedule, which T5X's adapter also reads,
+holds gammas).
 
 Writes to --output_dir:
   calibration.json   the figures: step costs, fitted overheads, acceptance, predicted (and with
@@ -51,6 +55,9 @@ LOOP_ROUNDS = 5
 # Each probe call runs many steps (encodes): one short call per round is too noisy a sample
 # beside loops of seconds.
 ENCODE_REPEATS = 8
+# The token trees a calibration prices by default: the two shapes of the verifiers benchmark
+# that kept most per call at depth 2 and 4 (results/cpu/verifiers_decoder_only_draft.md).
+DEFAULT_TREES = '3,1;2,1,1,1'
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,14 +130,16 @@ def encode_call(pair: pipeline.Pair, batch_size: int, width: int,
 
 
 def probes(pair: pipeline.Pair, batch_size: int, max_gamma: int, width: int,
-           steps_per_call: int = 64) -> Dict[Tuple[str, int], Tuple[Callable[[], Any], int]]:
+           steps_per_call: int = 64, trees: Sequence[Tuple[int, ...]] = ()
+           ) -> Dict[Tuple[str, int], Tuple[Callable[[], Any], int]]:
   """The model's isolated costs as calls to time: {(part, k): (call, steps per call)}: the
-  target's step for k = 1..max_gamma+1 tokens per row, the draft's for 1 and 2, the encoders
-  ('encode', 0)."""
-  out = {('target', k): (step_loop(pair, 'target', batch_size, k, steps_per_call)[0],
-                         steps_per_call) for k in range(1, max_gamma + 2)}
-  out.update({('draft', k): (step_loop(pair, 'draft', batch_size, k, steps_per_call)[0],
-                             steps_per_call) for k in (1, 2)})
+  target's step for k = 1..max_gamma+1 tokens per row and each tree's nodes, the draft's for 1,
+  2 and the trees' level widths (`costs.call_shape`), the encoders ('encode', 0)."""
+  shapes = [costs.call_shape(t) for t in trees]
+  sizes = {'target': set(range(1, max_gamma + 2)) | {target for _, target in shapes},
+           'draft': {1, 2}.union(*[draft for draft, _ in shapes])}
+  out = {(part, k): (step_loop(pair, part, batch_size, k, steps_per_call)[0], steps_per_call)
+         for part, ks in sizes.items() for k in sorted(ks)}
   encode = encode_call(pair, batch_size, width)
   out['encode', 0] = (lambda: [encode() for _ in range(ENCODE_REPEATS)]), ENCODE_REPEATS
   return out
@@ -140,21 +149,24 @@ def probes(pair: pipeline.Pair, batch_size: int, max_gamma: int, width: int,
 # Real loops.
 
 
-def _decoder(gamma: int, temperature: float) -> Tuple[str, Dict[str, Any]]:
-  if gamma == 0:
+def _decoder(choice: costs.Choice, temperature: float) -> Tuple[str, Dict[str, Any]]:
+  if isinstance(choice, tuple):
+    return 'speculative_tree', {'branching': choice, 'temperature': temperature}
+  if choice == 0:
     return 'target', {'temperature': temperature}
-  return 'speculative', {'gamma': gamma, 'temperature': temperature}
+  return 'speculative', {'gamma': choice, 'temperature': temperature}
 
 
 def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
-            gammas: Sequence[int], temperature: float, max_gamma: int, rounds: int = LOOP_ROUNDS
-            ) -> Tuple[costs.StepCosts, List[costs.LoopRun]]:
-  """The isolated step costs (overheads not yet fitted) and each gamma's real decode of
-  `texts`, all timed in the same round-robin rounds (the machine's speed drifts between
-  minutes by more than the differences sought): a loop's median wall ms, and the loop
+            gammas: Sequence[costs.Choice], temperature: float, max_gamma: int,
+            rounds: int = LOOP_ROUNDS) -> Tuple[costs.StepCosts, List[costs.LoopRun]]:
+  """The isolated step costs (overheads not yet fitted) and each choice's (gamma's or tree's)
+  real decode of `texts`, all timed in the same round-robin rounds (the machine's speed drifts
+  between minutes by more than the differences sought): a loop's median wall ms, and the loop
   iterations and output positions it counted."""
   widths = [b['encoder_input_tokens'].shape[1] for b in pipe.batches(texts)]
-  calls = probes(pair, pipe.batch_size, max_gamma, int(np.median(widths)))
+  calls = probes(pair, pipe.batch_size, max_gamma, int(np.median(widths)),
+                 trees=[g for g in gammas if isinstance(g, tuple)])
   passes = {}
   for g in gammas:
     name, kwargs = _decoder(g, temperature)
@@ -192,22 +204,30 @@ def _counts(decoded: pipeline.Decoded, batch_size: int) -> Dict[str, int]:
 
 def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, *,
                          temperature: float, max_gamma: int, fit_gammas: Sequence[int],
-                         check: bool, rounds: int = LOOP_ROUNDS) -> Dict[str, Any]:
+                         check: bool, rounds: int = LOOP_ROUNDS,
+                         trees: Sequence[Tuple[int, ...]] = ()) -> Dict[str, Any]:
   """The model of `batch_size` fitted on `texts` (its --fit_gammas loops; with `check` every
-  gamma's loop is timed with them and the model's error on each reported): its figures and
-  the gamma it predicts best."""
+  gamma's loop is timed with them and the model's error on each reported): its figures, the
+  gamma it predicts best (the schedule's entry) and its best choice of all. Each of `trees` runs
+  its real loop too: its tokens per iteration give its lift (`costs.tree_lifts`), its time
+  checks the model."""
   pipe = pipeline.Pipeline(pair, batch_size=batch_size, max_output_length=OUTPUT_LENGTH)
-  gammas = range(max_gamma + 1) if check else sorted(set(fit_gammas))
-  model, runs = measure(pair, pipe, texts, gammas, temperature, max_gamma, rounds)
+  gammas = list(range(max_gamma + 1) if check else sorted(set(fit_gammas)))
+  model, runs = measure(pair, pipe, texts, gammas + list(trees), temperature, max_gamma, rounds)
   fitted_on = [r for r in runs if r.gamma in fit_gammas]
   model, alpha = costs.fit(model, fitted_on), costs.pooled_alpha(fitted_on)
+  model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, alpha))
   positions = sum(r.positions for r in runs) / sum(r.batches for r in runs)  # per batch
-  predicted = {g: model.ms_per_position(g, alpha, positions) for g in range(max_gamma + 1)}
+  name = costs.choice_name
   out = dict(costs=model.to_json(), alpha=alpha, positions_per_batch=positions,
-             predicted_ms_per_position=predicted, best=model.best(alpha),
-             fit_gammas=sorted(set(fit_gammas)), runs=[dataclasses.asdict(r) for r in runs])
-  if check:
-    out['check'] = costs.check(model, runs, alpha)
+             predicted_ms_per_position={name(c): model.ms_per_position(c, alpha, positions)
+                                        for c in model.choices()},
+             best=model.best(alpha, range(model.max_gamma + 1)),
+             best_choice=name(model.best(alpha)), fit_gammas=sorted(set(fit_gammas)),
+             runs=[{**dataclasses.asdict(r), 'gamma': name(r.gamma)} for r in runs])
+  if check or trees:  # the trees' runs are always a check of the model's time
+    out['check'] = {name(c): v for c, v in costs.check(model, runs, alpha).items()
+                    if check or isinstance(c, tuple)}
   return out
 
 
@@ -229,12 +249,14 @@ def markdown(results: Mapping[str, Any]) -> str:
            'loop, timed in the same rounds); tokens per loop iteration as counted.', '']
   for batch_size, block in results['batch_sizes'].items():
     c, check = block['costs'], block.get('check', {})
-    runs = {r['gamma']: r for r in block.get('runs', [])}
+    runs = {costs.choice_name(costs.parse_choice(r['gamma'])): r for r in block.get('runs', [])}
     lines += [f"## Batch {batch_size}: alpha (effective) {block['alpha']:.3f}, best gamma "
-              f"{block['best']}, fitted on gammas {block.get('fit_gammas')}", '',
-              '| gamma | predicted | measured | error | tokens/iteration |', '|---|---|---|---|---|']
-    for g, predicted in sorted(block['predicted_ms_per_position'].items(), key=lambda x: int(x[0])):
-      row, run = check.get(int(g), check.get(str(g), {})), runs.get(int(g))
+              f"{block['best']}, best choice {block.get('best_choice', block['best'])}, fitted "
+              f"on gammas {block.get('fit_gammas')}", '',
+              '| gamma / tree | predicted | measured | error | tokens/iteration |',
+              '|---|---|---|---|---|']
+    for g, predicted in block['predicted_ms_per_position'].items():
+      row, run = check.get(str(g), {}), runs.get(str(g))
       lines.append(f"| {g} | {predicted:.3f} | {row.get('measured', float('nan')):.3f} | "
                    f"{row.get('error', float('nan')):+.1%} | " +
                    (f"{run['positions'] / max(run['iterations'], 1):.2f} |" if run else ' |'))
@@ -243,7 +265,9 @@ def markdown(results: Mapping[str, Any]) -> str:
         f'{k}: {v:.3f}' for k, v in c['draft_ms'].items()) +
         f"; encoders per batch {c['batch_ms']:.3f}; loop overhead per iteration: target alone "
         f"{c['plain_overhead_ms']:.3f}, speculative {c['overhead_ms']:.3f} + "
-        f"{c['overhead_per_token_ms']:.3f} per draft token.", '']
+        f"{c['overhead_per_token_ms']:.3f} per draft token" + ''.join(
+            f"; tree {t} acceptance lift {v:+.3f}" for t, v in c.get('lifts', {}).items()) +
+        '.', '']
   return '\n'.join(lines)
 
 
@@ -281,6 +305,18 @@ def _parse_ints(spec: str, flag: str) -> List[int]:
   return values
 
 
+def _parse_trees(spec: str) -> List[Tuple[int, ...]]:
+  """'3,1;2,1,1,1' -> [(3, 1), (2, 1, 1, 1)] ('' -> none)."""
+  try:
+    out = [tuple(int(b) for b in tree.split(',')) for tree in spec.split(';') if tree.strip()]
+  except ValueError:
+    out = [()]
+  if any(not tree or min(tree) < 1 for tree in out):
+    raise SystemExit(f"error: --trees wants branchings like '3,1;2,1,1,1' (positive integers, "
+                     f"';' between trees), got {spec!r}")
+  return out
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -296,6 +332,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--max_gamma', type=int, default=policy.MAX_GAMMA)
   p.add_argument('--fit_gammas', default=None,
                  help='gammas whose real loops fit the model (default: 0, 1 and max_gamma)')
+  p.add_argument('--trees', default=DEFAULT_TREES,
+                 help="token trees to price, e.g. '3,1;2,1,1,1' ('' for none): each runs its "
+                      'real loop; the policy runs one where the model predicts it fastest')
   p.add_argument('--check', action='store_true',
                  help="also time every other gamma and report the model's error on each")
   p.add_argument('--rounds', type=int, default=LOOP_ROUNDS, help='timed round-robin rounds')
@@ -303,6 +342,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
   args.batch_sizes = _parse_ints(args.batch_sizes, '--batch_sizes')
+  args.trees = _parse_trees(args.trees)
   if min(args.batch_sizes) < 1:
     p.error(f'--batch_sizes must be >= 1, got {args.batch_sizes}')
   if args.max_gamma < 1 or args.sentences < 1 or args.rounds < 1:
@@ -343,14 +383,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   for batch_size in args.batch_sizes:
     sample = (texts * (4 * batch_size))[:max(args.sentences, 4 * batch_size)]
     gammas = list(range(args.max_gamma + 1)) if args.check else sorted(set(args.fit_gammas))
-    print(f'batch {batch_size}: step costs, then gammas {gammas} on {len(sample)} inputs...',
-          file=sys.stderr, flush=True)
+    trees = ''.join(f', tree {costs.choice_name(t)}' for t in args.trees)
+    print(f'batch {batch_size}: step costs, then gammas {gammas}{trees} on {len(sample)} '
+          'inputs...', file=sys.stderr, flush=True)
     block = calibrate_batch_size(pair, sample, batch_size, temperature=args.temperature,
                                  max_gamma=args.max_gamma, fit_gammas=args.fit_gammas,
-                                 check=args.check, rounds=args.rounds)
+                                 check=args.check, rounds=args.rounds, trees=args.trees)
     results['batch_sizes'][batch_size] = block
-    errors = ', '.join(f"gamma {g}: {c['error']:+.1%}" for g, c in block.get('check', {}).items())
-    print(f"batch {batch_size}: alpha {block['alpha']:.3f}, best gamma {block['best']}, "
+    errors = ', '.join(f"{g}: {c['error']:+.1%}" for g, c in block.get('check', {}).items())
+    print(f"batch {batch_size}: alpha {block['alpha']:.3f}, best gamma {block['best']} "
+          f"(of all: {block['best_choice']}), "
           f"predicted ms/position " + ', '.join(
               f'{g}: {v:.3f}' for g, v in block['predicted_ms_per_position'].items()) +
           (f'; model error {errors}' if errors else ''), flush=True)

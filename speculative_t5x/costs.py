@@ -18,6 +18,12 @@ the batch's own count (`effective_alpha`: output positions / loop iterations) --
 spread of the rows. Time per output position is iteration ms over tokens per iteration, plus
 what a batch costs once (the encoders, the dispatch) over its positions.
 
+A draft token tree (`trees.tree_speculative_sample`, branching b0, b1, ...) is priced the same
+way from its call shape (`call_shape`: one draft call per level, the first feeding 2 tokens and
+level d its b0...b(d-1) nodes; one target call over all 1 + b0 + b0 b1 + ... nodes) and an
+acceptance lift: its effective acceptance (solved at its depth) above the chains', measured by a
+calibration that runs it (`tree_lifts`). A gamma is the chain (1,) * gamma.
+
 Counting is exact where timing is noisy: a policy that knows the step costs follows a change
 of acceptance from one batch's counts, where telling two gammas 4% apart by their batch times
 takes dozens of batches.
@@ -28,9 +34,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+# A decoder choice: a gamma (0: the target alone) or a draft tree's branching.
+Choice = Union[int, Tuple[int, ...]]
+
+
+def branching(choice: Choice) -> Tuple[int, ...]:
+  """A choice's draft tree: gamma g is the chain (1,) * g (0: no draft), a tree its branching."""
+  return tuple(int(b) for b in choice) if isinstance(choice, tuple) else (1,) * int(choice)
+
+
+def depth(choice: Choice) -> int:
+  """Draft tokens on a root-to-leaf path: gamma, or the tree's levels."""
+  return len(branching(choice))
+
+
+def call_shape(choice: Choice) -> Tuple[Tuple[int, ...], int]:
+  """(tokens per row of each draft call, of the target's call) in one loop iteration: the first
+  draft call feeds 2 tokens (the token before the root, which the cache lacks after a path
+  through a leaf, and the root), level d of a tree its b0...b(d-1) nodes; the target scores every
+  node. The target alone: ((), 1)."""
+  widths = np.cumprod(branching(choice)).astype(int)  # nodes per level below the root
+  if not len(widths):
+    return (), 1
+  return (2,) + tuple(int(w) for w in widths[:-1]), 1 + int(widths.sum())
+
+
+def choice_name(choice: Choice) -> str:
+  """A choice as JSON keys and tables name it: '3', or '(2,1,1)' for a tree."""
+  if isinstance(choice, tuple):
+    return '(' + ','.join(str(b) for b in choice) + ')'
+  return str(int(choice))
+
+
+def parse_choice(name: Any) -> Choice:
+  """The inverse of `choice_name` (an int or a list/tuple also pass); ValueError otherwise."""
+  if isinstance(name, (list, tuple)):
+    return tuple(int(b) for b in name)
+  text = str(name).strip()
+  if text.startswith('('):
+    return tuple(int(b) for b in text.strip('()').split(',') if b.strip())
+  return int(text)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -57,11 +104,15 @@ def effective_alpha(tokens_per_iteration: float, gamma: int) -> float:
 class StepCosts:
   """What one batch size's decode is made of, in ms (module docstring).
 
-  target_ms: {k: one cached target step appending k tokens per row}, k = 1..max gamma + 1.
-  draft_ms: {1: one draft step, 2: a two-token one}.
+  target_ms: {k: one cached target step appending k tokens per row}, k = 1..max gamma + 1 and
+    the node counts of the trees priced.
+  draft_ms: {k: a draft step of k tokens per row}: 1, 2 and the trees' level widths.
   batch_ms: what a batch costs once: both encoders and their caches, measured in isolation
     (host work and dispatch go into the fitted overheads).
-  plain_overhead_ms, overhead_ms, overhead_per_token_ms: fitted from real loops (`fit`).
+  plain_overhead_ms, overhead_ms, overhead_per_token_ms: fitted from real loops (`fit`); a tree
+    pays overhead_per_token_ms per level.
+  lifts: {tree branching: its effective acceptance above the chains'} (`tree_lifts`): the trees
+    this model prices.
   """
   batch_size: int
   target_ms: Mapping[int, float]
@@ -70,41 +121,66 @@ class StepCosts:
   plain_overhead_ms: float = 0.0
   overhead_ms: float = 0.0
   overhead_per_token_ms: float = 0.0
+  lifts: Mapping[Tuple[int, ...], float] = dataclasses.field(default_factory=dict)
 
   @property
   def max_gamma(self) -> int:
-    return max(self.target_ms) - 1
+    """The largest gamma whose verify steps 1..gamma + 1 are all measured."""
+    gamma = 0
+    while gamma + 2 in self.target_ms:
+      gamma += 1
+    return gamma
 
-  def steps_ms(self, gamma: int) -> float:
-    """The steps of one iteration at `gamma` (0: the target alone), without loop overhead."""
-    if gamma == 0:
-      return self.target_ms[1]
-    if gamma + 1 not in self.target_ms:
-      raise ValueError(f'no measured {gamma + 1}-token target step (max gamma '
+  def choices(self) -> list:
+    """What the model prices: gammas 0..max_gamma, then its trees."""
+    return list(range(self.max_gamma + 1)) + list(self.lifts)
+
+  def prices(self, choice: Choice) -> bool:
+    """Whether every step of `choice` is measured (and, for a tree, its lift)."""
+    if isinstance(choice, tuple) and choice not in self.lifts:
+      return False
+    draft, target = call_shape(choice)
+    return target in self.target_ms and all(k in self.draft_ms for k in draft)
+
+  def steps_ms(self, choice: Choice) -> float:
+    """The steps of one iteration of `choice` (0: the target alone), without loop overhead."""
+    draft, target = call_shape(choice)
+    if target not in self.target_ms:
+      raise ValueError(f'no measured {target}-token target step (max gamma '
                        f'{self.max_gamma}).')
-    return self.draft_ms[2] + (gamma - 1) * self.draft_ms[1] + self.target_ms[gamma + 1]
+    return sum(self.draft_ms[k] for k in draft) + self.target_ms[target]
 
-  def iteration_ms(self, gamma: int) -> float:
-    if gamma == 0:
+  def iteration_ms(self, choice: Choice) -> float:
+    if not branching(choice):
       return self.steps_ms(0) + self.plain_overhead_ms
-    return self.steps_ms(gamma) + self.overhead_ms + gamma * self.overhead_per_token_ms
+    return (self.steps_ms(choice) + self.overhead_ms +
+            depth(choice) * self.overhead_per_token_ms)
 
-  def ms_per_position(self, gamma: int, alpha: float, positions: float = 0.0) -> float:
-    """Predicted ms per output position at `gamma` with acceptance `alpha` (effective: see
+  def tokens(self, choice: Choice, alpha: float) -> float:
+    """Expected output tokens per iteration of `choice` at the chains' acceptance `alpha`."""
+    if not branching(choice):
+      return 1.0
+    lift = self.lifts.get(choice, 0.0) if isinstance(choice, tuple) else 0.0
+    return expected_tokens(min(max(alpha + lift, 0.0), 1.0), depth(choice))
+
+  def ms_per_position(self, choice: Choice, alpha: float, positions: float = 0.0) -> float:
+    """Predicted ms per output position of `choice` with acceptance `alpha` (effective: see
     `effective_alpha`), the batch's one-off cost spread over `positions` when given."""
-    tokens = 1.0 if gamma == 0 else expected_tokens(alpha, gamma)
     once = self.batch_ms / positions if positions else 0.0
-    return self.iteration_ms(gamma) / tokens + once
+    return self.iteration_ms(choice) / self.tokens(choice, alpha) + once
 
-  def best(self, alpha: float, gammas: Optional[Iterable[int]] = None) -> int:
-    """The gamma with the lowest predicted ms per position (ties: the smaller gamma)."""
-    gammas = range(self.max_gamma + 1) if gammas is None else gammas
-    return min(gammas, key=lambda g: (self.ms_per_position(g, alpha), g))
+  def best(self, alpha: float, choices: Optional[Iterable[Choice]] = None) -> Choice:
+    """The choice with the lowest predicted ms per position (ties: the shallower, then the
+    smaller tree); by default every gamma and tree the model prices."""
+    choices = self.choices() if choices is None else choices
+    return min(choices, key=lambda c: (self.ms_per_position(c, alpha), depth(c),
+                                       call_shape(c)[1]))
 
   def to_json(self) -> Dict[str, Any]:
     out = dataclasses.asdict(self)
-    out['target_ms'] = {str(k): v for k, v in self.target_ms.items()}
-    out['draft_ms'] = {str(k): v for k, v in self.draft_ms.items()}
+    for name in ('target_ms', 'draft_ms'):
+      out[name] = {str(k): v for k, v in getattr(self, name).items()}
+    out['lifts'] = {choice_name(k): v for k, v in self.lifts.items()}
     return out
 
   @classmethod
@@ -112,15 +188,16 @@ class StepCosts:
     values = dict(values)
     values['target_ms'] = {int(k): float(v) for k, v in values['target_ms'].items()}
     values['draft_ms'] = {int(k): float(v) for k, v in values['draft_ms'].items()}
+    values['lifts'] = {parse_choice(k): float(v) for k, v in values.get('lifts', {}).items()}
     return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopRun:
-  """Real loops of one gamma over some batches: their wall ms (encoders included), loop
-  iterations (the batch's most target calls of a row) and output positions (its longest row),
-  summed over the batches."""
-  gamma: int
+  """Real loops of one choice (a gamma or a tree) over some batches: their wall ms (encoders
+  included), loop iterations (the batch's most target calls of a row) and output positions (its
+  longest row), summed over the batches."""
+  gamma: Choice
   batches: int
   ms: float
   iterations: int
@@ -142,8 +219,9 @@ def fit(costs: StepCosts, runs: Sequence[LoopRun]) -> StepCosts:
   each run weighted by 1 / ms (relative errors count alike); negative fits clipped to 0.
 
   Needs the target alone (gamma 0) and a speculative gamma; two or more fit the growth with
-  gamma, one leaves it 0.
+  gamma, one leaves it 0. Trees' runs are not fitted to (`check` them).
   """
+  runs = [r for r in runs if not isinstance(r.gamma, tuple)]
   gammas = {r.gamma for r in runs}
   if 0 not in gammas or not gammas - {0}:
     raise ValueError(f'fit needs gamma 0 and a speculative gamma, got {sorted(gammas)}.')
@@ -166,8 +244,8 @@ def fit(costs: StepCosts, runs: Sequence[LoopRun]) -> StepCosts:
 
 
 def check(costs: StepCosts, runs: Sequence[LoopRun], alpha: float
-          ) -> Dict[int, Dict[str, float]]:
-  """Predicted against measured ms per output position for each run: {gamma: {predicted,
+          ) -> Dict[Choice, Dict[str, float]]:
+  """Predicted against measured ms per output position for each run: {choice: {predicted,
   measured, error}} (error = predicted / measured - 1), the batches' positions and `alpha`
   (effective) given."""
   out = {}
@@ -180,14 +258,29 @@ def check(costs: StepCosts, runs: Sequence[LoopRun], alpha: float
 
 
 def pooled_alpha(runs: Sequence[LoopRun]) -> float:
-  """The effective acceptance of the speculative runs: each run's solved from its tokens per
-  iteration, weighted by its iterations."""
-  spec = [r for r in runs if r.gamma > 0]
+  """The effective acceptance of the speculative chains' runs: each run's solved from its
+  tokens per iteration, weighted by its iterations."""
+  spec = [r for r in runs if not isinstance(r.gamma, tuple) and r.gamma > 0]
   if not spec:
     raise ValueError('pooled_alpha needs a speculative run.')
   weights = np.array([r.iterations for r in spec], float)
   alphas = np.array([effective_alpha(r.tokens_per_iteration, r.gamma) for r in spec])
   return float(np.sum(weights * alphas) / max(weights.sum(), 1.0))
+
+
+def chain_alpha(choice: Choice, tokens_per_iteration: float,
+                lifts: Mapping[Tuple[int, ...], float]) -> float:
+  """The chains' effective acceptance that a run of `choice` counted: solved at its depth, less
+  a tree's lift."""
+  lift = lifts.get(choice, 0.0) if isinstance(choice, tuple) else 0.0
+  return effective_alpha(tokens_per_iteration, depth(choice)) - lift
+
+
+def tree_lifts(runs: Sequence[LoopRun], alpha: float) -> Dict[Tuple[int, ...], float]:
+  """{tree: its effective acceptance (solved at its depth from its run's tokens per iteration)
+  above the chains' `alpha`}: what a tree's extra children keep, for `StepCosts.lifts`."""
+  return {r.gamma: effective_alpha(r.tokens_per_iteration, depth(r.gamma)) - alpha
+          for r in runs if isinstance(r.gamma, tuple)}
 
 
 Schedule = Mapping[int, int]

@@ -551,7 +551,8 @@ def _policy_summary(records: Sequence[Dict[str, Any]], decoding_policy: policy.D
                     batch_size: int, decode_kwargs: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
   """gamma / branching='auto': the schedule (examples per choice, from the records on disk, so
   that a resumed run's summary covers every chunk), the verifier each speculative gamma ran
-  ('auto' resolves per gamma) and this run's measurements; else None."""
+  ('auto' resolves per gamma; 'tree' for a token tree the model chose) and this run's
+  measurements; else None."""
   setting = decoding_policy.setting
   if setting is None:
     return None
@@ -559,9 +560,9 @@ def _policy_summary(records: Sequence[Dict[str, Any]], decoding_policy: policy.D
   out = {'batch_size': batch_size, 'examples_by_choice': dict(sorted(used.items()))}
   if setting == 'gamma':
     verification = decode_kwargs.get('verification', decoding.AUTO_VERIFICATION)
-    out['verification'] = {g: decoding.resolve_verification(
+    out['verification'] = {g: 'tree' if g.startswith('[') else decoding.resolve_verification(
         verification, int(g), decode_kwargs.get('temperature', 1.0)) for g in sorted(used)
-        if int(g) > 0}
+        if g.startswith('[') or int(g) > 0}
   return {**out, **decoding_policy.summary()}
 
 

@@ -59,6 +59,7 @@ from speculative_t5x import beam_search
 from speculative_t5x import costs
 from speculative_t5x import decoding
 from speculative_t5x import models
+from speculative_t5x import trees
 
 AUTO = 'auto'
 # gamma='auto' candidates: 0 (the target alone) to MAX_GAMMA, each one compiled loop. The first
@@ -224,15 +225,20 @@ class DecodingPolicy:
     predicts much slower are not explored early in the job (MODEL_SLACK), and timing decides
     between the rest.
   prior_alpha: the calibration's acceptance, the model's until a speculative batch counts one.
+  modelled: choices outside the line of `choices` that only the model reaches (token trees the
+    calibration priced): run when it predicts one fastest, never explored by the local search;
+    while one runs, timing checks it against the plain decoder and the model's best of the line.
   """
 
   def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
                fallback: Any = None, window: int = WINDOW, explore_every: int = EXPLORE_EVERY,
                clock: Callable[[], float] = time.perf_counter,
-               model: Optional[costs.StepCosts] = None, prior_alpha: Optional[float] = None):
+               model: Optional[costs.StepCosts] = None, prior_alpha: Optional[float] = None,
+               modelled: Sequence[Any] = ()):
     if not choices:
       raise ValueError('DecodingPolicy needs at least one choice.')
-    self.choices = tuple(choices)
+    self.line = tuple(choices)  # ordered from the plain decoder to the most speculative
+    self.choices = self.line + tuple(c for c in modelled if c not in self.line)
     self.setting = setting
     self.fallback = fallback if fallback in self.choices else self.choices[0]
     self.explore_every = explore_every
@@ -254,8 +260,9 @@ class DecodingPolicy:
 
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
-    return DecodingPolicy(self.choices, self.setting, self.fallback, self.window,
-                          self.explore_every, self.clock, self.model, self.prior_alpha)
+    return DecodingPolicy(self.line, self.setting, self.fallback, self.window,
+                          self.explore_every, self.clock, self.model, self.prior_alpha,
+                          self.choices[len(self.line):])
 
   @property
   def measured(self) -> bool:
@@ -283,7 +290,8 @@ class DecodingPolicy:
     if not by_gamma:
       return self.prior_alpha if self.model is not None else None
     weights = [it for it, _ in by_gamma.values()]
-    alphas = [costs.effective_alpha(pos / max(it, 1), g) for g, (it, pos) in by_gamma.items()]
+    alphas = [costs.chain_alpha(g, pos / max(it, 1), self.model.lifts)
+              for g, (it, pos) in by_gamma.items()]
     return float(np.average(alphas, weights=weights))
 
   def predicted(self) -> Optional[Any]:
@@ -292,20 +300,25 @@ class DecodingPolicy:
     alpha = self.alpha()
     if self.model is None or alpha is None:
       return None
-    return self.model.best(alpha, [c for c in self.choices if c <= self.model.max_gamma])
+    return self.model.best(alpha, [c for c in self.choices if self.model.prices(c)])
 
   def _neighbours(self) -> List[Any]:
     """The choices one step more and less speculative than the running one, and the next one
     past a neighbour that is not surely slower: a local search then crosses a plateau (at batch
-    1 greedy gamma 2, 3 and 4 were within a few % of each other, and the search rested on 2)."""
-    i, out = self.choices.index(self.current), []
-    for step in (-1, 1):
-      if 0 <= i + step < len(self.choices):
-        out.append(self.choices[i + step])
-        gain, error = self._advantage(out[-1])
-        if (self.records[out[-1]].count and gain + Z * error > -MARGIN and
-            0 <= i + 2 * step < len(self.choices)):
-          out.append(self.choices[i + 2 * step])
+    1 greedy gamma 2, 3 and 4 were within a few % of each other, and the search rested on 2).
+    A modelled choice's: the model's best of the line."""
+    out: List[Any] = []
+    if self.current not in self.line:
+      out.append(self.model.best(self.alpha(), [c for c in self.line if self.model.prices(c)]))
+    else:
+      i, line = self.line.index(self.current), self.line
+      for step in (-1, 1):
+        if 0 <= i + step < len(line):
+          out.append(line[i + step])
+          gain, error = self._advantage(out[-1])
+          if (self.records[out[-1]].count and gain + Z * error > -MARGIN and
+              0 <= i + 2 * step < len(line)):
+            out.append(line[i + 2 * step])
     if self.choices[0] not in out + [self.current]:
       out.append(self.choices[0])
     predicted = self.predicted()  # the model's pick neighbours every choice
@@ -365,11 +378,14 @@ class DecodingPolicy:
     """How much slower than the running choice a batch of `choice` is expected to be."""
     if self.records[choice].count:
       return max(0.0, -self._advantage(choice)[0])
-    i, j = self.choices.index(self.current), self.choices.index(choice)
+    if choice not in self.line or self.current not in self.line:  # as the model predicts
+      predict = lambda c: self.model.ms_per_position(c, self.alpha(), self._positions())
+      return max(0.0, predict(choice) / predict(self.current) - 1.0)
+    line, i, j = self.line, self.line.index(self.current), self.line.index(choice)
     if abs(j - i) == 2:  # past a plateau: as slow as the neighbour in between, if that is
-      return max(0.0, -self._advantage(self.choices[(i + j) // 2])[0])
+      return max(0.0, -self._advantage(line[(i + j) // 2])[0])
     step = i - j  # toward the other side: its nearest measured choice
-    others = [self.records[c] for c in (self.choices[i + step::step] if i + step >= 0 else ())
+    others = [self.records[c] for c in (line[i + step::step] if i + step >= 0 else ())
               if self.records[c].count]
     if others and others[0].cost > self.records[self.current].cost:
       return 0.0  # the step from there to the running choice saved time: keep going
@@ -425,8 +441,8 @@ class DecodingPolicy:
     """Whether the model, early in the job, predicts `choice` slower than the running choice
     by more than MODEL_SLACK (`MODEL_TRUST`)."""
     alpha = self.alpha()
-    if (alpha is None or self.batches >= MODEL_TRUST or
-        max(choice, self.current) > self.model.max_gamma):
+    if (alpha is None or self.batches >= MODEL_TRUST or not self.model.prices(choice) or
+        not self.model.prices(self.current)):
       return False  # (alpha is None without a model)
     positions = self._positions()
     predict = lambda c: self.model.ms_per_position(c, alpha, positions)
@@ -531,10 +547,11 @@ class DecodingPolicy:
     if self.model is None or alpha is None:
       return {}
     positions = self._positions()
-    return {'model': {'alpha': round(alpha, 4), 'predicted_best': self.predicted(),
+    return {'model': {'alpha': round(alpha, 4), 'predicted_best': _json(self.predicted()),
                       'predicted_ms_per_position': {
-                          str(c): round(self.model.ms_per_position(c, alpha, positions), 4)
-                          for c in self.choices if c <= self.model.max_gamma}}}
+                          costs.choice_name(c): round(
+                              self.model.ms_per_position(c, alpha, positions), 4)
+                          for c in self.choices if self.model.prices(c)}}}
 
 
 def _most(values: Any) -> int:
@@ -579,8 +596,11 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     if calibration is not None:
       policy_kwargs.setdefault('model', calibration.model(batch_size))
       policy_kwargs.setdefault('prior_alpha', calibration.alphas.get(batch_size))
-    return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, **policy_kwargs),
-            gamma_decoders(model, decode_kwargs, max_gamma))
+    priced = policy_kwargs.get('model')
+    tree_choices = tuple(priced.lifts) if priced is not None else ()
+    return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, modelled=tree_choices,
+                           **policy_kwargs),
+            gamma_decoders(model, decode_kwargs, max_gamma, tree_choices))
   if (name == _name(beam_search.speculative_beam_search) and
       decode_kwargs.get('branching') == AUTO):
     return (DecodingPolicy(TREES, 'branching', FALLBACK_TREE, **policy_kwargs),
@@ -612,11 +632,13 @@ def _copy(model: models.EncoderDecoderModel, decode_fn: Callable,
 
 
 def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
-                   max_gamma: int = MAX_GAMMA) -> Dict[int, models.EncoderDecoderModel]:
+                   max_gamma: int = MAX_GAMMA, tree_choices: Sequence[Tuple[int, ...]] = ()
+                   ) -> Dict[costs.Choice, models.EncoderDecoderModel]:
   """{gamma: model decoding at that gamma}: 0 is the target alone (`temperature_sample` with the
-  same temperature, topk and topp), 1..max_gamma speculative_sample. Only exact speculative
-  sampling qualifies: a lenience below 1 or a custom rule would make the choice change the
-  output distribution."""
+  same temperature, topk and topp), 1..max_gamma speculative_sample; each of `tree_choices`,
+  `trees.tree_speculative_sample` with that branching (a calibration priced it). Only exact
+  speculative sampling qualifies: a lenience below 1 or a custom rule would make the choice
+  change the output distribution."""
   if max_gamma < 1:
     raise ValueError(f'max_gamma must be >= 1, got {max_gamma}.')
   if decode_kwargs.get('lenience', 1.0) != 1.0 or decode_kwargs.get('rule') is not None:
@@ -628,9 +650,13 @@ def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str
   target_only = {k: decode_kwargs[k] for k in ('temperature', 'topk', 'topp', 'rescale_log_probs',
                                                'max_decode_steps') if k in decode_kwargs}
   target_only.setdefault('topk', 0)  # speculative_sample's default, not T5X's topk=1
-  out = {0: _copy(model, decoding.temperature_sample, target_only)}
+  out: Dict[costs.Choice, models.EncoderDecoderModel] = {
+      0: _copy(model, decoding.temperature_sample, target_only)}
   for gamma in range(1, max_gamma + 1):
     out[gamma] = _copy(model, model.decode_fn, {**model.decode_kwargs, 'gamma': gamma})
+  for tree in tree_choices:
+    out[tree] = _copy(model, trees.tree_speculative_sample,
+                      {**target_only, 'branching': tuple(tree)})
   return out
 
 

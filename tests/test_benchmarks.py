@@ -118,9 +118,12 @@ def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: 
   out = tmp_path / 'calibration'
   results = calibrate.main(data_args + ['--output_dir', str(out), '--batch_sizes', '2',
                                         '--sentences', '8', '--max_gamma', '2', '--rounds', '1',
-                                        '--check'])
+                                        '--check', '--trees', '2,1'])
   block = results['batch_sizes'][2]
-  assert set(block['check']) == {0, 1, 2} and block['best'] in (0, 1, 2)
+  # Every gamma and the tree timed, the tree priced by its lift; the schedule holds a gamma.
+  assert set(block['check']) == {'0', '1', '2', '(2,1)'} and block['best'] in (0, 1, 2)
+  assert set(block['costs']['lifts']) == {'(2,1)'} and '(2,1)' in block['predicted_ms_per_position']
+  assert block['costs']['target_ms'].keys() >= {'1', '2', '3', '5'}  # (2,1): 5 nodes
   assert 0 < block['alpha'] <= 1 and all(r['positions'] > 0 for r in block['runs'])
   assert {p.name for p in out.iterdir()} == {'calibration.json', 'calibration.md',
                                              't5x_schedule.gin', 'infer_schedule.gin'}
@@ -131,6 +134,7 @@ def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: 
       'speculative gamma=auto T=0']
   assert auto['same_as_baseline'] == 1.0
   assert auto['policy']['fallback'] == block['best']
+  assert '(2,1)' in auto['policy'].get('model', {}).get('predicted_ms_per_position', {'(2,1)': 0})
   # The model predicts once a speculative batch has counted acceptance.
   assert 'model' in auto['policy'] or set(auto['gammas_used']) == {'0'}
 

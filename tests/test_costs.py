@@ -4,6 +4,7 @@ Costs and acceptance are injected: what is checked is the model's arithmetic and
 how fast anything ran.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -100,8 +101,61 @@ def test_fit_recovers_the_overheads_and_predicts_the_other_gammas():
 
 
 def test_step_costs_round_trip_through_json():
-  m = model()
-  assert costs.StepCosts.from_json(json.loads(json.dumps(m.to_json()))) == m
+  for m in (model(), model(lifts={(3, 1): 0.05, (2, 1, 1, 1): 0.02})):
+    assert costs.StepCosts.from_json(json.loads(json.dumps(m.to_json()))) == m
+  assert [costs.parse_choice(costs.choice_name(c)) for c in (0, 3, (2, 1, 1))] == [0, 3, (2, 1, 1)]
+
+
+# A bandwidth-bound machine (an accelerator at batch 1): a verify call costs about a step for
+# any tokens per row up to a tree's nodes; the draft a tenth of it.
+FLAT_TARGET_MS = {k: 1.0 + 0.01 * k for k in range(1, 10)}
+FLAT_DRAFT_MS = {k: 0.1 for k in (1, 2, 3)}
+
+
+def test_a_tree_is_priced_by_its_call_shape_and_its_acceptance_lift():
+  # A chain is the tree (1,) * gamma: the shapes give the chain's formula.
+  assert [costs.call_shape(g) for g in (0, 1, 3)] == [((), 1), ((2,), 2), ((2, 1, 1), 4)]
+  assert costs.call_shape((1, 1, 1)) == costs.call_shape(3)
+  # Level d of a tree is one draft call over its nodes; the target scores all of them.
+  assert costs.call_shape((2, 1, 1, 1)) == ((2, 2, 2, 2), 9)
+  assert costs.call_shape((3, 1)) == ((2, 3), 7)
+  m = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, lifts={(3, 1): 0.1})
+  assert m.max_gamma == 8 and m.prices((3, 1)) and not m.prices((2, 1, 1, 1))  # no lift
+  assert not model().prices((3, 1)) and model().max_gamma == 4
+  assert m.iteration_ms((3, 1)) == pytest.approx(0.1 + 0.1 + 1.07 + 0.3 + 2 * 0.05)
+  assert m.tokens((3, 1), 0.7) == pytest.approx(costs.expected_tokens(0.8, 2))
+  assert m.tokens(2, 0.7) == pytest.approx(costs.expected_tokens(0.7, 2))
+  # The lift is what a tree's run counted above the chains' acceptance, and counting a tree's
+  # batch gives the chains' acceptance back.
+  runs = [costs.LoopRun((3, 1), 1, 10.0, 100, round(100 * costs.expected_tokens(0.8, 2)))]
+  assert costs.tree_lifts(runs, 0.7)[(3, 1)] == pytest.approx(0.1, abs=0.01)
+  assert costs.chain_alpha((3, 1), costs.expected_tokens(0.8, 2), m.lifts) == pytest.approx(0.7)
+
+
+def tree_job(machine: costs.StepCosts, alpha: float, batches: int):
+  kwargs = {'gamma': 'auto', 'temperature': 1.0}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
+  calibration = costs.Calibration({1: 3}, {1: machine}, temperature=1.0, alphas={1: alpha})
+  decoding_policy, decoders = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
+  return decoding_policy, decoders, run_job(decoding_policy, [alpha] * batches, positions=60)
+
+
+def test_the_policy_runs_a_tree_only_where_the_model_predicts_it_fastest():
+  flat = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, lifts={(3, 1): 0.02,
+                                                                         (2, 1, 1, 1): 0.06})
+  assert flat.best(0.8) == (2, 1, 1, 1)  # more kept per call at the same cost
+  decoding_policy, decoders, chosen = tree_job(flat, 0.8, 40)
+  assert set(decoders) == {0, 1, 2, 3, 4, (3, 1), (2, 1, 1, 1)}
+  assert decoders[(2, 1, 1, 1)].decode_kwargs['branching'] == (2, 1, 1, 1)
+  assert chosen[:2] == [3, (2, 1, 1, 1)] and decoding_policy.best() == (2, 1, 1, 1), chosen
+  assert decoding_policy.alpha() == pytest.approx(0.8, abs=0.02)  # the tree's counts, lift off
+  assert decoding_policy.summary()['model']['predicted_best'] == [2, 1, 1, 1]
+  # Where a verify call grows with its rows (this CPU), the same lifts do not pay for a tree's
+  # rows: the model prices it slower and no batch runs it.
+  steep = dataclasses.replace(flat, target_ms={k: 1.0 * k for k in range(1, 10)})
+  assert not isinstance(steep.best(0.8), tuple)
+  _, _, chosen = tree_job(steep, 0.8, 3 * policy.MODEL_TRUST)
+  assert not any(isinstance(c, tuple) for c in chosen), chosen
 
 
 def test_schedule_lookup_and_parsing():
@@ -162,6 +216,8 @@ def test_calibrate_writes_a_schedule_for_t5x_and_for_the_infer_job(tmp_path):
     (['--batch_sizes', '0'], '--batch_sizes must be >= 1'),
     (['--fit_gammas', '1,2'], '--fit_gammas needs 0'),
     (['--fit_gammas', '0,9'], '--fit_gammas needs 0'),
+    (['--trees', '3,x'], '--trees wants branchings'),
+    (['--trees', '2,0;3'], '--trees wants branchings'),
 ])
 def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:
@@ -176,10 +232,11 @@ def run_job(decoding_policy, alphas, positions=12, machine=None):
   chosen = []
   for alpha in alphas:
     gamma = decoding_policy.choose()
+    truth = machine or decoding_policy.model
     iterations = positions if gamma == 0 else max(
-        1, int(round(positions / costs.expected_tokens(alpha, gamma))))
-    ms = (machine or decoding_policy.model).ms_per_position(gamma, alpha, positions) * positions
-    decodes = np.zeros((1, 32), np.int32)
+        1, int(round(positions / truth.tokens(gamma, alpha))))
+    ms = truth.ms_per_position(gamma, alpha, positions) * positions
+    decodes = np.zeros((1, max(32, positions)), np.int32)
     decodes[0, :positions] = 5
     stats = None if gamma == 0 else {'target_calls': np.array([iterations])}
     decoding_policy.observe(gamma, ms / 1e3, decodes, stats)
