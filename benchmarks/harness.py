@@ -359,7 +359,8 @@ def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch],
     model.eos_id = model.draft_eos_id = eos_id
   decoding_policy, decoders = policy.plan(
       model, kwargs, calibration=calibration,
-      batch_size=len(batches[0]['encoder_input_tokens']) if batches else None)
+      batch_size=len(batches[0]['encoder_input_tokens']) if batches else None,
+      num_decodes=max(setting.beam, 1))
   predictor = pipeline.Predictor(decoders, pair.params, partitioner(),
                                  num_decodes=max(setting.beam, 1))
   rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]

@@ -15,7 +15,10 @@ model's error on each (the other gammas are not used for the fit). Each of --tre
 `trees.tree_speculative_sample`) runs its real loop in the same rounds: its count gives its
 acceptance lift over the chains, its time the model's error on it; a job under gamma 'auto'
 runs a tree where the model predicts it fastest (the schedule, which T5X's adapter also reads,
-holds gammas).
+holds gammas). --beam_size N calibrates beam search of N beams instead: beam_search itself
+and the trees of `branching='auto'`, each one's real loop timed; the job starts from the one the
+model predicts fastest and does not explore early what it predicts much slower (no gamma
+schedule, no t5x_schedule.gin).
 
 Writes to --output_dir:
   calibration.json   the figures: step costs, fitted overheads, acceptance, predicted (and with
@@ -130,15 +133,17 @@ def encode_call(pair: pipeline.Pair, batch_size: int, width: int,
 
 
 def probes(pair: pipeline.Pair, batch_size: int, max_gamma: int, width: int,
-           steps_per_call: int = 64, trees: Sequence[Tuple[int, ...]] = ()
+           steps_per_call: int = 64, trees: Sequence[Tuple[int, ...]] = (), beams: int = 1
            ) -> Dict[Tuple[str, int], Tuple[Callable[[], Any], int]]:
   """The model's isolated costs as calls to time: {(part, k): (call, steps per call)}: the
   target's step for k = 1..max_gamma+1 tokens per row and each tree's nodes, the draft's for 1,
-  2 and the trees' level widths (`costs.call_shape`), the encoders ('encode', 0)."""
+  2 and the trees' level widths (`costs.call_shape`), over batch_size x beams rows; the
+  encoders ('encode', 0), over batch_size."""
   shapes = [costs.call_shape(t) for t in trees]
   sizes = {'target': set(range(1, max_gamma + 2)) | {target for _, target in shapes},
            'draft': {1, 2}.union(*[draft for draft, _ in shapes])}
-  out = {(part, k): (step_loop(pair, part, batch_size, k, steps_per_call)[0], steps_per_call)
+  rows = batch_size * beams
+  out = {(part, k): (step_loop(pair, part, rows, k, steps_per_call)[0], steps_per_call)
          for part, ks in sizes.items() for k in sorted(ks)}
   encode = encode_call(pair, batch_size, width)
   out['encode', 0] = (lambda: [encode() for _ in range(ENCODE_REPEATS)]), ENCODE_REPEATS
@@ -149,7 +154,12 @@ def probes(pair: pipeline.Pair, batch_size: int, max_gamma: int, width: int,
 # Real loops.
 
 
-def _decoder(choice: costs.Choice, temperature: float) -> Tuple[str, Dict[str, Any]]:
+def _decoder(choice: costs.Choice, temperature: float, beams: int = 0
+             ) -> Tuple[str, Dict[str, Any]]:
+  if beams:
+    if choice:
+      return 'speculative_beam', {'branching': choice, 'num_decodes': beams}
+    return 'beam', {'num_decodes': beams}
   if isinstance(choice, tuple):
     return 'speculative_tree', {'branching': choice, 'temperature': temperature}
   if choice == 0:
@@ -159,17 +169,19 @@ def _decoder(choice: costs.Choice, temperature: float) -> Tuple[str, Dict[str, A
 
 def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
             gammas: Sequence[costs.Choice], temperature: float, max_gamma: int,
-            rounds: int = LOOP_ROUNDS) -> Tuple[costs.StepCosts, List[costs.LoopRun]]:
+            rounds: int = LOOP_ROUNDS, beams: int = 0
+            ) -> Tuple[costs.StepCosts, List[costs.LoopRun]]:
   """The isolated step costs (overheads not yet fitted) and each choice's (gamma's or tree's)
   real decode of `texts`, all timed in the same round-robin rounds (the machine's speed drifts
   between minutes by more than the differences sought): a loop's median wall ms, and the loop
-  iterations and output positions it counted."""
+  iterations and output positions it counted. beams: beam search of that many beams (the
+  choices: () and trees), its steps over batch x beams rows."""
   widths = [b['encoder_input_tokens'].shape[1] for b in pipe.batches(texts)]
   calls = probes(pair, pipe.batch_size, max_gamma, int(np.median(widths)),
-                 trees=[g for g in gammas if isinstance(g, tuple)])
+                 trees=[g for g in gammas if isinstance(g, tuple) and g], beams=max(beams, 1))
   passes = {}
   for g in gammas:
-    name, kwargs = _decoder(g, temperature)
+    name, kwargs = _decoder(g, temperature, beams)
     pipe.compile(texts, name, **kwargs)
     passes['loop', g] = functools.partial(pipe.decode, texts, name, **kwargs)
   decoded = {key: one_pass() for key, one_pass in passes.items()}  # warm, and the counts
@@ -217,17 +229,43 @@ def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: 
   fitted_on = [r for r in runs if r.gamma in fit_gammas]
   model, alpha = costs.fit(model, fitted_on), costs.pooled_alpha(fitted_on)
   model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, alpha))
+  checked = [r for r in runs if check or isinstance(r.gamma, tuple)]  # trees: always
+  return {**_figures(model, runs, alpha, model.choices(), checked),
+          'best': model.best(alpha, range(model.max_gamma + 1)),
+          'fit_gammas': sorted(set(fit_gammas))}
+
+
+def calibrate_beams(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, *, beams: int,
+                    rounds: int = LOOP_ROUNDS) -> Dict[str, Any]:
+  """The model of beam search with `beams` beams at `batch_size`: beam_search itself and the
+  trees `branching='auto'` offers (`policy.TREES`), all timed; fitted on (), (1,) and the widest
+  tree, the others checked. A tree's output positions per round give its lift over an
+  acceptance of 0; its best is the choice a job starts from."""
+  pipe = pipeline.Pipeline(pair, batch_size=batch_size, max_output_length=OUTPUT_LENGTH)
+  model, runs = measure(pair, pipe, texts, list(policy.TREES), 0.0, 0, rounds, beams)
+  fit_trees = [(), policy.TREES[1], policy.TREES[-1]]
+  model = costs.fit(model, [r for r in runs if r.gamma in fit_trees])
+  model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, 0.0))
+  best = costs.choice_name(model.best(0.0, policy.TREES))
+  return {**_figures(model, runs, 0.0, list(policy.TREES), runs), 'best': best,
+          'fit_gammas': [costs.choice_name(t) for t in fit_trees]}
+
+
+def _figures(model: costs.StepCosts, runs: Sequence[costs.LoopRun], alpha: float,
+             choices: Sequence[costs.Choice], checked: Sequence[costs.LoopRun]
+             ) -> Dict[str, Any]:
+  """A batch size's block of calibration.json: the model, its predicted ms per output position
+  of each of `choices` (at the runs' mean positions per batch), the runs, and the model's error
+  on the `checked` runs."""
   positions = sum(r.positions for r in runs) / sum(r.batches for r in runs)  # per batch
   name = costs.choice_name
   out = dict(costs=model.to_json(), alpha=alpha, positions_per_batch=positions,
              predicted_ms_per_position={name(c): model.ms_per_position(c, alpha, positions)
-                                        for c in model.choices()},
-             best=model.best(alpha, range(model.max_gamma + 1)),
-             best_choice=name(model.best(alpha)), fit_gammas=sorted(set(fit_gammas)),
+                                        for c in choices},
+             best_choice=name(model.best(alpha, choices)),
              runs=[{**dataclasses.asdict(r), 'gamma': name(r.gamma)} for r in runs])
-  if check or trees:  # the trees' runs are always a check of the model's time
-    out['check'] = {name(c): v for c, v in costs.check(model, runs, alpha).items()
-                    if check or isinstance(c, tuple)}
+  if checked:
+    out['check'] = {name(c): v for c, v in costs.check(model, checked, alpha).items()}
   return out
 
 
@@ -250,9 +288,9 @@ def markdown(results: Mapping[str, Any]) -> str:
   for batch_size, block in results['batch_sizes'].items():
     c, check = block['costs'], block.get('check', {})
     runs = {costs.choice_name(costs.parse_choice(r['gamma'])): r for r in block.get('runs', [])}
-    lines += [f"## Batch {batch_size}: alpha (effective) {block['alpha']:.3f}, best gamma "
+    lines += [f"## Batch {batch_size}: alpha (effective) {block['alpha']:.3f}, best "
               f"{block['best']}, best choice {block.get('best_choice', block['best'])}, fitted "
-              f"on gammas {block.get('fit_gammas')}", '',
+              f"on {block.get('fit_gammas')}", '',
               '| gamma / tree | predicted | measured | error | tokens/iteration |',
               '|---|---|---|---|---|']
     for g, predicted in block['predicted_ms_per_position'].items():
@@ -272,11 +310,14 @@ def markdown(results: Mapping[str, Any]) -> str:
 
 
 def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]:
-  """calibration.json, calibration.md and the two schedule gin files (module docstring)."""
+  """calibration.json, calibration.md and the two schedule gin files (module docstring); a
+  beam search calibration (`beam_size`) has no gamma schedule and no t5x_schedule.gin."""
   output_dir.mkdir(parents=True, exist_ok=True)
-  schedule = {int(b): r['best'] for b, r in results['batch_sizes'].items()}
+  beams = results.get('beam_size', 0)
+  schedule = {} if beams else {int(b): r['best'] for b, r in results['batch_sizes'].items()}
   header = [f'Written by: {command}', 'Batch size -> gamma, predicted fastest by the model in '
-            'calibration.json (gamma 0: the target alone).']
+            'calibration.json (gamma 0: the target alone).' if not beams else
+            f'Beam search of {beams} beams: the trees predicted fastest are in calibration.json.']
   files = {
       'calibration.json': json.dumps({**results, 'schedule': schedule}, indent=1, default=float),
       'calibration.md': markdown(results),
@@ -290,6 +331,8 @@ def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]
           [f"infer_script.infer.calibration = '{(output_dir / 'calibration.json').resolve()}'",
            '']),
   }
+  if beams:
+    del files['t5x_schedule.gin']  # T5X's adapter reads gamma schedules
   for name, text in files.items():
     (output_dir / name).write_text(text)
   return [output_dir / name for name in files]
@@ -337,6 +380,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       'real loop; the policy runs one where the model predicts it fastest')
   p.add_argument('--check', action='store_true',
                  help="also time every other gamma and report the model's error on each")
+  p.add_argument('--beam_size', type=int, default=0,
+                 help="calibrate beam search of this many beams instead (branching='auto': beam "
+                      'search itself and its trees, all timed); the infer job\'s num_decodes')
   p.add_argument('--rounds', type=int, default=LOOP_ROUNDS, help='timed round-robin rounds')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
@@ -347,6 +393,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.error(f'--batch_sizes must be >= 1, got {args.batch_sizes}')
   if args.max_gamma < 1 or args.sentences < 1 or args.rounds < 1:
     p.error('--max_gamma, --sentences and --rounds must be >= 1')
+  if args.beam_size < 0:
+    p.error(f'--beam_size must be >= 1 (0: calibrate gamma), got {args.beam_size}')
   args.fit_gammas = (_parse_ints(args.fit_gammas, '--fit_gammas') if args.fit_gammas else
                      [0, 1, args.max_gamma])
   if 0 not in args.fit_gammas or max(args.fit_gammas) > args.max_gamma or len(
@@ -380,18 +428,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   results = {'command': ' '.join(['speculative-t5x-calibrate'] + list(
       sys.argv[1:] if argv is None else argv)), 'temperature': args.temperature,
              'devices': str(jax.devices()), 'batch_sizes': {}}
+  if args.beam_size:
+    results['beam_size'] = args.beam_size
   for batch_size in args.batch_sizes:
     sample = (texts * (4 * batch_size))[:max(args.sentences, 4 * batch_size)]
-    gammas = list(range(args.max_gamma + 1)) if args.check else sorted(set(args.fit_gammas))
-    trees = ''.join(f', tree {costs.choice_name(t)}' for t in args.trees)
-    print(f'batch {batch_size}: step costs, then gammas {gammas}{trees} on {len(sample)} '
-          'inputs...', file=sys.stderr, flush=True)
-    block = calibrate_batch_size(pair, sample, batch_size, temperature=args.temperature,
-                                 max_gamma=args.max_gamma, fit_gammas=args.fit_gammas,
-                                 check=args.check, rounds=args.rounds, trees=args.trees)
+    print(f'batch {batch_size}: step costs, then {_what(args)} on {len(sample)} inputs...',
+          file=sys.stderr, flush=True)
+    if args.beam_size:
+      block = calibrate_beams(pair, sample, batch_size, beams=args.beam_size, rounds=args.rounds)
+    else:
+      block = calibrate_batch_size(pair, sample, batch_size, temperature=args.temperature,
+                                   max_gamma=args.max_gamma, fit_gammas=args.fit_gammas,
+                                   check=args.check, rounds=args.rounds, trees=args.trees)
     results['batch_sizes'][batch_size] = block
     errors = ', '.join(f"{g}: {c['error']:+.1%}" for g, c in block.get('check', {}).items())
-    print(f"batch {batch_size}: alpha {block['alpha']:.3f}, best gamma {block['best']} "
+    print(f"batch {batch_size}: alpha {block['alpha']:.3f}, best {block['best']} "
           f"(of all: {block['best_choice']}), "
           f"predicted ms/position " + ', '.join(
               f'{g}: {v:.3f}' for g, v in block['predicted_ms_per_position'].items()) +
@@ -399,6 +450,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   for path in write(Path(args.output_dir), results, results['command']):
     print(path)
   return results
+
+
+def _what(args: argparse.Namespace) -> str:
+  """What a batch size's loops are, for the progress line."""
+  if args.beam_size:
+    return f'beam search of {args.beam_size} beams and its trees ' + ', '.join(
+        costs.choice_name(t) for t in policy.TREES[1:])
+  gammas = list(range(args.max_gamma + 1)) if args.check else sorted(set(args.fit_gammas))
+  return f'gammas {gammas}' + ''.join(f', tree {costs.choice_name(t)}' for t in args.trees)
 
 
 def run() -> None:

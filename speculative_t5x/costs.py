@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -131,14 +131,14 @@ class StepCosts:
       gamma += 1
     return gamma
 
-  def choices(self) -> list:
+  def choices(self) -> List[Choice]:
     """What the model prices: gammas 0..max_gamma, then its trees."""
     return list(range(self.max_gamma + 1)) + list(self.lifts)
 
   def prices(self, choice: Choice) -> bool:
     """Whether every step of `choice` is measured (and, for a tree, its lift)."""
-    if isinstance(choice, tuple) and choice not in self.lifts:
-      return False
+    if isinstance(choice, tuple) and choice and choice not in self.lifts:
+      return False  # (() is beam search itself: a plain decoder)
     draft, target = call_shape(choice)
     return target in self.target_ms and all(k in self.draft_ms for k in draft)
 
@@ -218,23 +218,23 @@ def fit(costs: StepCosts, runs: Sequence[LoopRun]) -> StepCosts:
   ms - batches * batch_ms - iterations * steps = iterations * (overhead + gamma * per token),
   each run weighted by 1 / ms (relative errors count alike); negative fits clipped to 0.
 
-  Needs the target alone (gamma 0) and a speculative gamma; two or more fit the growth with
-  gamma, one leaves it 0. Trees' runs are not fitted to (`check` them).
+  Needs the plain decoder (gamma 0; beam search itself, ()) and a speculative choice; two or
+  more depths fit the growth with depth, one depth leaves it 0. A sampling calibration fits
+  chains and checks its trees against the fit; a beam search one fits its trees (all depth 1).
   """
-  runs = [r for r in runs if not isinstance(r.gamma, tuple)]
-  gammas = {r.gamma for r in runs}
-  if 0 not in gammas or not gammas - {0}:
-    raise ValueError(f'fit needs gamma 0 and a speculative gamma, got {sorted(gammas)}.')
+  names = sorted(choice_name(r.gamma) for r in runs)
+  if all(branching(r.gamma) for r in runs) or not any(branching(r.gamma) for r in runs):
+    raise ValueError(f'fit needs gamma 0 and a speculative gamma, got {names}.')
 
   def rest(r: LoopRun) -> float:  # what the run's loop iterations cost beyond their steps
     return r.ms - r.batches * costs.batch_ms - r.iterations * costs.steps_ms(r.gamma)
 
-  plain = [r for r in runs if r.gamma == 0]
+  plain = [r for r in runs if not branching(r.gamma)]
   plain_overhead = sum(rest(r) for r in plain) / sum(r.iterations for r in plain)
-  spec = [r for r in runs if r.gamma > 0]
+  spec = [r for r in runs if branching(r.gamma)]
   columns = [[r.iterations for r in spec]]
-  if len({r.gamma for r in spec}) > 1:
-    columns.append([r.iterations * r.gamma for r in spec])
+  if len({depth(r.gamma) for r in spec}) > 1:
+    columns.append([r.iterations * depth(r.gamma) for r in spec])
   weights = np.array([1 / r.ms for r in spec])
   solution = np.linalg.lstsq(np.array(columns, float).T * weights[:, None],
                              np.array([rest(r) for r in spec]) * weights, rcond=None)[0]
@@ -280,7 +280,7 @@ def tree_lifts(runs: Sequence[LoopRun], alpha: float) -> Dict[Tuple[int, ...], f
   """{tree: its effective acceptance (solved at its depth from its run's tokens per iteration)
   above the chains' `alpha`}: what a tree's extra children keep, for `StepCosts.lifts`."""
   return {r.gamma: effective_alpha(r.tokens_per_iteration, depth(r.gamma)) - alpha
-          for r in runs if isinstance(r.gamma, tuple)}
+          for r in runs if isinstance(r.gamma, tuple) and r.gamma}
 
 
 Schedule = Mapping[int, int]
@@ -317,16 +317,24 @@ def parse_schedule(values: Mapping[Any, Any]) -> Dict[int, int]:
 class Calibration:
   """What speculative-t5x-calibrate measured (its calibration.json): {batch size: gamma} and
   {batch size: the fitted model} and {batch size: the acceptance it measured}, at `temperature`
-  (a sampling loop's overheads and acceptance are not a greedy one's)."""
+  (a sampling loop's overheads and acceptance are not a greedy one's), or for beam search at
+  `beam_size` (then the schedule is empty: each model prices beam search itself, (), and its
+  trees, their beam steps per call as lifts over an acceptance of 0)."""
   schedule: Dict[int, int]
   models: Dict[int, StepCosts]
   temperature: float = 0.0
   alphas: Dict[int, float] = dataclasses.field(default_factory=dict)  # effective, per batch size
+  beam_size: int = 0  # 0: made for gamma (speculative_sample)
 
   def fits(self, temperature: Any) -> bool:
-    """Whether a job at `temperature` (a scalar or per row) was calibrated for: every row at
-    the calibrated temperature."""
-    return bool(np.all(np.asarray(temperature, np.float32) == np.float32(self.temperature)))
+    """Whether a speculative_sample job at `temperature` (a scalar or per row) was calibrated
+    for: a gamma calibration, every row at the calibrated temperature."""
+    return not self.beam_size and bool(
+        np.all(np.asarray(temperature, np.float32) == np.float32(self.temperature)))
+
+  def fits_beams(self, beam_size: int) -> bool:
+    """Whether a beam search job of `beam_size` beams was calibrated for."""
+    return self.beam_size > 0 and self.beam_size == beam_size
 
   def model(self, batch_size: int) -> Optional[StepCosts]:
     """The model of exactly this batch size (step costs do not carry to another)."""
@@ -341,7 +349,7 @@ def load_calibration(path: os.PathLike) -> Calibration:
         int(b): StepCosts.from_json(block['costs'])
         for b, block in values['batch_sizes'].items()}, float(values.get('temperature', 0.0)),
         {int(b): float(block['alpha']) for b, block in values['batch_sizes'].items()
-         if block.get('alpha') is not None})
+         if block.get('alpha') is not None}, int(values.get('beam_size', 0)))
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f'{path} is not a readable calibration.json from '
                      f'speculative-t5x-calibrate ({type(e).__name__}: {e})') from None

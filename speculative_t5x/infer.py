@@ -372,7 +372,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
                                     job.dtype, job.partitioner)
   compile_start = time.time()
   decoding_policy, decoders = policy.plan(model, decode_kwargs, max_gamma, calibrated,
-                                          batch_size)
+                                          batch_size, num_decodes)
   predictor = pipeline.Predictor(decoders, params, job.partitioner, num_decodes,
                                  warm_up=decoding_policy.measured)
   run = _Run(job, predictor, decoding_policy, jax.random.PRNGKey(seed), default_temperature)

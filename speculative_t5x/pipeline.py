@@ -256,12 +256,16 @@ class Pipeline:
       raise ValueError(f'unknown decoder {decoder!r}; one of {", ".join(DECODERS)}')
     decode_fn, defaults = DECODERS[decoder]
     kwargs = {**defaults, **decode_kwargs}
+    # The beam size (decodes per example) is predict's argument, as in T5X: it overrides the
+    # decoder's own num_decodes.
+    num_decodes = int(kwargs.pop('num_decodes', 1))
     model = self.pair.model(decode_fn, kwargs)
     decoding_policy, decoders = policy.plan(model, kwargs, calibration=self.calibration,
-                                            batch_size=rows)
-    key = (decoder, tuple(sorted(kwargs.items())), rows)
+                                            batch_size=rows, num_decodes=num_decodes)
+    key = (decoder, tuple(sorted(kwargs.items())), rows, num_decodes)
     if key not in self._prepared:
       self._prepared[key] = decoding_policy, Predictor(decoders, self.params, self.partitioner,
+                                                       num_decodes=num_decodes,
                                                        warm_up=decoding_policy.measured)
     return self._prepared[key]
 

@@ -13,6 +13,9 @@ open into its candidates, ordered from the plain decoder to the most speculative
                                                 (each verifying as the job asks; 'auto', the
                                                 default: block verification when sampling at
                                                 gamma >= 2, `decoding.resolve_verification`)
+                                                and, with a calibration that priced them, its
+                                                token trees (run only where its model predicts
+                                                one fastest)
   speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
 and a `DecodingPolicy` that picks one per batch. A job's batches run as a fixed decoder's would,
@@ -571,7 +574,7 @@ def _name(fn: Callable) -> Optional[str]:
 
 def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
          max_gamma: int = MAX_GAMMA, calibration: Optional[costs.Calibration] = None,
-         batch_size: Optional[int] = None, **policy_kwargs: Any
+         batch_size: Optional[int] = None, num_decodes: int = 1, **policy_kwargs: Any
          ) -> Tuple[DecodingPolicy, Dict[Any, models.EncoderDecoderModel]]:
   """The policy of a job and its decoders, {choice: model}.
 
@@ -581,8 +584,11 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   calibration (speculative-t5x-calibrate's) and the job's batch_size: under gamma='auto' the
   first batch runs the schedule's entry for batch_size (the nearest calibrated size's; else
   `fallback_gamma`), clipped to max_gamma, and the policy follows the batch size's model
-  (`DecodingPolicy`'s `model`) when the calibration has one; a calibration made at another
-  temperature than the job's is not used.
+  (`DecodingPolicy`'s `model`) when the calibration has one, the trees it priced among its
+  choices (`modelled`); a calibration made at another temperature than the job's is not used.
+  Under branching='auto' a beam search calibration of num_decodes beams (the job's beam size)
+  gives the batch size's model: the first batch runs the tree it predicts fastest, and choices
+  it predicts much slower are not explored early.
   policy_kwargs go to `DecodingPolicy` (window, explore_every, clock).
   """
   name = _name(model.decode_fn)
@@ -603,7 +609,14 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
             gamma_decoders(model, decode_kwargs, max_gamma, tree_choices))
   if (name == _name(beam_search.speculative_beam_search) and
       decode_kwargs.get('branching') == AUTO):
-    return (DecodingPolicy(TREES, 'branching', FALLBACK_TREE, **policy_kwargs),
+    priced = (calibration.model(batch_size) if calibration is not None and
+              calibration.fits_beams(num_decodes) else None)
+    fallback = FALLBACK_TREE
+    if priced is not None:  # beam steps per call are the trees' lifts over an acceptance of 0
+      policy_kwargs.setdefault('model', priced)
+      policy_kwargs.setdefault('prior_alpha', 0.0)
+      fallback = priced.best(0.0, [t for t in TREES if priced.prices(t)])
+    return (DecodingPolicy(TREES, 'branching', fallback, **policy_kwargs),
             tree_decoders(model, decode_kwargs))
   return DecodingPolicy((None,)), {None: model}
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+import numpy as np
 import pytest
 
 from benchmarks import draft_acceptance
@@ -27,8 +28,11 @@ from benchmarks import verifiers
 from benchmarks import vs_ctranslate2
 from benchmarks import vs_t5x
 from speculative_t5x import calibrate
+from speculative_t5x import costs
+from speculative_t5x import data
 from speculative_t5x import network
 from speculative_t5x import pipeline
+from speculative_t5x import policy
 import conftest
 
 TINY = ['--sentences', '1:2', '--rounds', '1']
@@ -137,6 +141,34 @@ def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: 
   assert '(2,1)' in auto['policy'].get('model', {}).get('predicted_ms_per_position', {'(2,1)': 0})
   # The model predicts once a speculative batch has counted acceptance.
   assert 'model' in auto['policy'] or set(auto['gammas_used']) == {'0'}
+
+
+def test_calibrate_beam_search_then_the_pipeline_starts_from_it(
+    tmp_path: pathlib.Path, data_args: List[str], small_pair: pipeline.Pair,
+    monkeypatch: pytest.MonkeyPatch) -> None:
+  """--beam_size: beam search itself and every tree of branching='auto' timed and priced; a
+  Pipeline of that beam size starts speculative beam search where the model says, exactly."""
+  monkeypatch.setattr(pipeline, 'load_pair', lambda *args, **kwargs: small_pair)
+  out = tmp_path / 'calibration'
+  results = calibrate.main(data_args + ['--output_dir', str(out), '--batch_sizes', '2',
+                                        '--sentences', '4', '--rounds', '1', '--beam_size', '2'])
+  block = results['batch_sizes'][2]
+  names = {costs.choice_name(t) for t in policy.TREES}
+  assert set(block['check']) == names == set(block['predicted_ms_per_position'])
+  assert block['best'] in names and block['alpha'] == 0.0
+  assert {p.name for p in out.iterdir()} == {'calibration.json', 'calibration.md',
+                                             'infer_schedule.gin'}
+  calibration = costs.load_calibration(out / 'calibration.json')
+  assert calibration.beam_size == 2 and calibration.schedule == {}
+  texts = data.load_split('test', data_dir=data_args[1])[0][:4]
+  pipe = pipeline.Pipeline(small_pair, batch_size=2, calibration=calibration)
+  auto = pipe.decode(texts, 'speculative_beam', branching='auto', num_decodes=2)
+  plain = pipeline.Pipeline(small_pair, batch_size=2).decode(texts, 'beam', num_decodes=2)
+  assert auto.policy['fallback'] == list(costs.parse_choice(block['best']))
+  np.testing.assert_array_equal(auto.tokens, plain.tokens)
+  # The beam size reaches the decoder: 2 beams are not greedy decoding's one.
+  one = pipeline.Pipeline(small_pair, batch_size=2).decode(texts, 'beam', num_decodes=1)
+  assert not np.array_equal(one.scores, plain.scores)
 
 
 def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from speculative_t5x import beam_search
 from speculative_t5x import calibrate
 from speculative_t5x import costs
 from speculative_t5x import decoding
@@ -316,3 +317,31 @@ def test_the_calibrations_acceptance_guides_a_job_that_starts_without_speculatio
   assert set(run_job(guided, [0.2] * (policy.MODEL_TRUST - 1))) == {0}
   blind = policy.DecodingPolicy(range(5), 'gamma', 0)
   assert set(run_job(blind, [0.2] * (policy.MODEL_TRUST - 1), machine=model())) != {0}
+
+
+def beam_job(machine: costs.StepCosts, beams: int, batches: int, calibrated_beams: int = 4):
+  kwargs = {'branching': 'auto'}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs,
+                                    decode_fn=beam_search.speculative_beam_search)
+  calibration = costs.Calibration({}, {1: machine}, alphas={1: 0.0}, beam_size=calibrated_beams)
+  decoding_policy, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1,
+                                   num_decodes=beams)
+  return decoding_policy, run_job(decoding_policy, [0.0] * batches, machine=machine)
+
+
+def test_a_beam_calibration_starts_where_its_model_predicts_and_serves_only_its_beam_size():
+  # Beam steps per call of the trees as lifts over an acceptance of 0 (calibrate_beams).
+  lifts = {(1,): 0.35, (2,): 0.45, (4,): 0.55, (8,): 0.6}
+  flat = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, lifts=lifts)
+  assert flat.prices(()) and flat.tokens((8,), 0.0) == pytest.approx(1.6)
+  guided, chosen = beam_job(flat, beams=4, batches=12)
+  assert guided.fallback == flat.best(0.0, policy.TREES) == (8,) and set(chosen) == {(8,)}
+  # A CPU: a call over a tree's rows costs more than the beam steps it saves; beam search itself
+  # starts, and a short job does not try the trees the model prices slower.
+  steep = dataclasses.replace(flat, target_ms={k: 1.0 * k for k in range(1, 10)})
+  guided, chosen = beam_job(steep, beams=4, batches=policy.MODEL_TRUST)
+  assert guided.fallback == () and set(chosen) == {()}, chosen
+  # Another beam size, or a gamma job: the calibration is not used.
+  other, _ = beam_job(steep, beams=2, batches=1)
+  assert other.model is None and other.fallback == policy.FALLBACK_TREE
+  assert not costs.Calibration({}, {1: steep}, beam_size=4).fits(0.0)
