@@ -191,18 +191,31 @@ def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
   part_ms = lambda name: {k: v for (part, k), v in ms.items() if part == name}
   model = costs.StepCosts(pipe.batch_size, part_ms('target'), part_ms('draft'),
                           batch_ms=ms['encode', 0])
+  steps = None
+  if beams:  # counted per beam step: every choice takes beam_search's steps (the same search)
+    steps = _beam_steps(decoded['loop', next(g for g in gammas if g)], pipe.batch_size)
   return model, [costs.LoopRun(g, ms=ms['loop', g], **_counts(decoded['loop', g],
-                                                             pipe.batch_size)) for g in gammas]
+                                                             pipe.batch_size, steps))
+                 for g in gammas]
 
 
-def _counts(decoded: pipeline.Decoded, batch_size: int) -> Dict[str, int]:
+def _beam_steps(decoded: pipeline.Decoded, batch_size: int) -> List[int]:
+  """Per batch, beam search's steps: speculative beam search's most beam steps of an example
+  (its `emitted`; the search runs until every example has stopped)."""
+  return [int(np.max(decoded.stats['emitted'][start:start + batch_size]))
+          for start in range(0, len(decoded.tokens), batch_size)]
+
+
+def _counts(decoded: pipeline.Decoded, batch_size: int,
+            steps: Optional[Sequence[int]] = None) -> Dict[str, int]:
   """The batches, loop iterations and output positions of a decode: per batch its most target
   calls of a row (the target alone, which counts none: one iteration per position) and its
-  longest output, summed."""
+  longest output, summed. With `steps` (beam search's, per batch) positions are beam steps:
+  beam_search takes more steps than its best output has tokens, one target call each."""
   out = dict(batches=0, iterations=0, positions=0)
-  for start in range(0, len(decoded.tokens), batch_size):
+  for i, start in enumerate(range(0, len(decoded.tokens), batch_size)):
     rows = slice(start, start + batch_size)
-    positions = policy.output_positions(decoded.tokens[rows])
+    positions = policy.output_positions(decoded.tokens[rows]) if steps is None else steps[i]
     out['batches'] += 1
     out['positions'] += positions
     out['iterations'] += (int(np.max(decoded.stats['target_calls'][rows]))
@@ -239,8 +252,8 @@ def calibrate_beams(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, 
                     rounds: int = LOOP_ROUNDS) -> Dict[str, Any]:
   """The model of beam search with `beams` beams at `batch_size`: beam_search itself and the
   trees `branching='auto'` offers (`policy.TREES`), all timed; fitted on (), (1,) and the widest
-  tree, the others checked. A tree's output positions per round give its lift over an
-  acceptance of 0; its best is the choice a job starts from."""
+  tree, the others checked; times per beam step. A tree's beam steps per round give its lift
+  over an acceptance of 0; its best is the choice a job starts from."""
   pipe = pipeline.Pipeline(pair, batch_size=batch_size, max_output_length=OUTPUT_LENGTH)
   model, runs = measure(pair, pipe, texts, list(policy.TREES), 0.0, 0, rounds, beams)
   fit_trees = [(), policy.TREES[1], policy.TREES[-1]]

@@ -62,7 +62,10 @@ Settings (gin: `infer_script.infer.NAME`; T5X's macros in gin_configs/runs/infer
   calibration: the calibration.json of speculative-t5x-calibrate (its infer_schedule.gin binds
     it): with gamma='auto' the first batch runs its gamma for batch_size (the nearest
     calibrated size's) instead of the fixed fallback, the policy follows the model of that
-    batch size as the job counts acceptance, and timing checks both.
+    batch size as the job counts acceptance (and runs a token tree the calibration priced where
+    the model predicts it fastest), and timing checks both; with branching='auto' a
+    calibration made with --beam_size num_decodes starts at the tree (or plain beam search) its
+    model predicts fastest.
   progress: show a progress bar (process 0).
   chunk_hook: called with a chunk's number right after it is committed (tests stop a job
     at a known chunk through it; monitoring may count progress).
