@@ -105,7 +105,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
                  help="PyTorch's intra-op threads for HF generation (0: one per CPU)")
   p.add_argument('--calibration', default=None,
                  help="a calibration.json of speculative-t5x-calibrate: gamma='auto' rows at its "
-                      "temperature start at its schedule and follow its model")
+                      "temperature start at its schedule and follow its model (made with "
+                      "--beam_size: branching='auto' rows of that beam size start where it says)")
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)

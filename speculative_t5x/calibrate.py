@@ -298,6 +298,10 @@ def markdown(results: Mapping[str, Any]) -> str:
            'ms per output position of each gamma: predicted by the model (step costs measured in '
            'isolation, overheads fitted to the loops of the fit gammas) and measured (the real '
            'loop, timed in the same rounds); tokens per loop iteration as counted.', '']
+  if results.get('beam_size'):
+    lines += [f"Beam search of {results['beam_size']} beams: per beam step (beam search takes "
+              'more steps than its best output has tokens), tokens per iteration are beam steps '
+              'per target call, () is beam_search itself.', '']
   for batch_size, block in results['batch_sizes'].items():
     c, check = block['costs'], block.get('check', {})
     runs = {costs.choice_name(costs.parse_choice(r['gamma'])): r for r in block.get('runs', [])}

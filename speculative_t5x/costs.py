@@ -325,6 +325,9 @@ class Calibration:
   temperature: float = 0.0
   alphas: Dict[int, float] = dataclasses.field(default_factory=dict)  # effective, per batch size
   beam_size: int = 0  # 0: made for gamma (speculative_sample)
+  # Per batch size, the model's largest |relative error| where its check timed every choice it
+  # prices (`DecodingPolicy.model_error`).
+  errors: Dict[int, float] = dataclasses.field(default_factory=dict)
 
   def fits(self, temperature: Any) -> bool:
     """Whether a speculative_sample job at `temperature` (a scalar or per row) was calibrated
@@ -349,7 +352,10 @@ def load_calibration(path: os.PathLike) -> Calibration:
         int(b): StepCosts.from_json(block['costs'])
         for b, block in values['batch_sizes'].items()}, float(values.get('temperature', 0.0)),
         {int(b): float(block['alpha']) for b, block in values['batch_sizes'].items()
-         if block.get('alpha') is not None}, int(values.get('beam_size', 0)))
+         if block.get('alpha') is not None}, int(values.get('beam_size', 0)),
+        {int(b): max(abs(c['error']) for c in block['check'].values())
+         for b, block in values['batch_sizes'].items()
+         if block.get('check') and set(block['predicted_ms_per_position']) <= set(block['check'])})
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f'{path} is not a readable calibration.json from '
                      f'speculative-t5x-calibrate ({type(e).__name__}: {e})') from None

@@ -129,6 +129,9 @@ IN_FLIGHT = 2
 # 7%), and a long one still finds out when the model no longer holds.
 MODEL_SLACK = 0.08
 MODEL_TRUST = 64
+# The narrowest prior a checked model gives a timed comparison (`DecodingPolicy.model_error`):
+# its check is one run of a few batches.
+MIN_MODEL_ERROR = 0.03
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -231,13 +234,18 @@ class DecodingPolicy:
   modelled: choices outside the line of `choices` that only the model reaches (token trees the
     calibration priced): run when it predicts one fastest, never explored by the local search;
     while one runs, timing checks it against the plain decoder and the model's best of the line.
+  model_error: the model's largest relative error over every choice it prices, as its
+    calibration checked them (None: not all checked). Given, the model's predicted difference
+    between two choices is a prior of that width on their timed comparison: at batch 1 one
+    batch's time varies by 15-25%, and a neighbour predicted much slower would otherwise take
+    over on a lucky streak (beam search at batch 1: 34 of 192 batches on a tree 17% slower).
   """
 
   def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
                fallback: Any = None, window: int = WINDOW, explore_every: int = EXPLORE_EVERY,
                clock: Callable[[], float] = time.perf_counter,
                model: Optional[costs.StepCosts] = None, prior_alpha: Optional[float] = None,
-               modelled: Sequence[Any] = ()):
+               modelled: Sequence[Any] = (), model_error: Optional[float] = None):
     if not choices:
       raise ValueError('DecodingPolicy needs at least one choice.')
     self.line = tuple(choices)  # ordered from the plain decoder to the most speculative
@@ -249,6 +257,7 @@ class DecodingPolicy:
     self.clock = clock
     self.model = model
     self.prior_alpha = prior_alpha
+    self.model_error = model_error
     # (gamma, loop iterations, output positions) of the last `window` speculative batches.
     self.counts: Deque[Tuple[int, int, int]] = collections.deque(maxlen=window)
     self.records = {c: _Record(window, interval=explore_every) for c in self.choices}
@@ -265,7 +274,7 @@ class DecodingPolicy:
     """A policy with the same choices and settings and no measurements: the next job's."""
     return DecodingPolicy(self.line, self.setting, self.fallback, self.window,
                           self.explore_every, self.clock, self.model, self.prior_alpha,
-                          self.choices[len(self.line):])
+                          self.choices[len(self.line):], self.model_error)
 
   @property
   def measured(self) -> bool:
@@ -350,8 +359,26 @@ class DecodingPolicy:
     if choice not in self._advantages:
       record, current = self.records[choice], self.records[self.current]
       paired, windows = self._paired(record, current), self._windows(record, current)
-      self._advantages[choice] = min(paired[0], windows[0]), max(paired[1], windows[1])
+      timed = min(paired[0], windows[0]), max(paired[1], windows[1])
+      self._advantages[choice] = self._with_prior(choice, *timed)
     return self._advantages[choice]
+
+  def _with_prior(self, choice: Any, gain: float, error: float) -> Tuple[float, float]:
+    """A timed (gain, error) combined with the model's predicted gain, weighted by inverse
+    variances, the model's standard error `model_error` (at least MIN_MODEL_ERROR); the timed
+    one alone without a checked model, where it does not price both choices, or before both
+    have run (the prior tempers timing; it does not replace it)."""
+    alpha = self.alpha()
+    if (self.model_error is None or alpha is None or not self.model.prices(choice) or
+        not self.model.prices(self.current) or not self.records[choice].count or
+        not self.records[self.current].count):
+      return gain, error
+    predict = lambda c: self.model.ms_per_position(c, alpha, self._positions())
+    prior, prior_error = np.log(predict(self.current) / predict(choice)), max(
+        self.model_error, MIN_MODEL_ERROR)
+    weights = np.array([1 / error ** 2 if np.isfinite(error) else 0.0, 1 / prior_error ** 2])
+    return (float(np.dot(weights, [gain, prior]) / weights.sum()),
+            float(1 / np.sqrt(weights.sum())))
 
   def _windows(self, record: _Record, current: _Record) -> Tuple[float, float]:
     if not record.count or not current.count:
@@ -602,6 +629,7 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     if calibration is not None:
       policy_kwargs.setdefault('model', calibration.model(batch_size))
       policy_kwargs.setdefault('prior_alpha', calibration.alphas.get(batch_size))
+      policy_kwargs.setdefault('model_error', calibration.errors.get(batch_size))
     priced = policy_kwargs.get('model')
     tree_choices = tuple(priced.lifts) if priced is not None else ()
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, modelled=tree_choices,
@@ -615,6 +643,7 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     if priced is not None:  # beam steps per call are the trees' lifts over an acceptance of 0
       policy_kwargs.setdefault('model', priced)
       policy_kwargs.setdefault('prior_alpha', 0.0)
+      policy_kwargs.setdefault('model_error', calibration.errors.get(batch_size))
       fallback = priced.best(0.0, [t for t in TREES if priced.prices(t)])
     return (DecodingPolicy(TREES, 'branching', fallback, **policy_kwargs),
             tree_decoders(model, decode_kwargs))

@@ -345,3 +345,40 @@ def test_a_beam_calibration_starts_where_its_model_predicts_and_serves_only_its_
   other, _ = beam_job(steep, beams=2, batches=1)
   assert other.model is None and other.fallback == policy.FALLBACK_TREE
   assert not costs.Calibration({}, {1: steep}, beam_size=4).fits(0.0)
+
+
+def test_a_checked_model_keeps_a_noisy_job_off_what_it_prices_slower():
+  """Beam search at batch 1, each batch's time off by 30% (lognormal), the trees 8-25% slower:
+  timing alone lets a tree take over on a lucky streak in some jobs; a model checked to 3% is a
+  prior on the timed comparisons that such streaks do not beat."""
+  lifts = {(1,): 0.1, (2,): 0.3, (4,): 0.5, (8,): 0.6}
+  steep = model(target_ms={k: 1.0 + 0.1 * k for k in range(1, 10)}, draft_ms=FLAT_DRAFT_MS,
+                lifts=lifts)
+  at = lambda c: steep.ms_per_position(c, 0.0)
+  assert min(at(t) for t in policy.TREES[1:]) > 1.08 * at(())
+
+  def tree_batches(model_error, seed):
+    kwargs = {'branching': 'auto'}
+    pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1,
+                                      decode_kwargs=kwargs,
+                                      decode_fn=beam_search.speculative_beam_search)
+    calibration = costs.Calibration({}, {1: steep}, alphas={1: 0.0}, beam_size=4,
+                                    errors={1: model_error} if model_error else {})
+    decoding_policy, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1,
+                                     num_decodes=4)
+    assert decoding_policy.model_error == model_error
+    noise = np.random.default_rng(seed).lognormal(0.0, 0.3, 192)
+    decodes = np.zeros((1, 32), np.int32)
+    decodes[0, :12] = 5
+    trees = 0
+    for i in range(192):
+      choice = decoding_policy.choose()
+      decoding_policy.observe(choice, at(choice) * 12 * noise[i] / 1e3, decodes)
+      trees += choice != ()
+    return trees
+
+  timed_alone = [tree_batches(None, seed) for seed in range(6)]
+  with_prior = [tree_batches(0.03, seed) for seed in range(6)]
+  # Each tree is tried once after MODEL_TRUST batches either way.
+  assert max(with_prior) <= len(policy.TREES) - 1 < max(timed_alone), (with_prior, timed_alone)
+  assert sum(timed_alone) > 3 * sum(with_prior), (with_prior, timed_alone)
