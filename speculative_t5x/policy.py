@@ -373,9 +373,8 @@ class DecodingPolicy:
         not self.model.prices(self.current) or not self.records[choice].count or
         not self.records[self.current].count):
       return gain, error
-    predict = lambda c: self.model.ms_per_position(c, alpha, self._positions())
-    prior, prior_error = np.log(predict(self.current) / predict(choice)), max(
-        self.model_error, MIN_MODEL_ERROR)
+    prior = np.log(self._predicted_ms(self.current) / self._predicted_ms(choice))
+    prior_error = max(self.model_error, MIN_MODEL_ERROR)
     weights = np.array([1 / error ** 2 if np.isfinite(error) else 0.0, 1 / prior_error ** 2])
     return (float(np.dot(weights, [gain, prior]) / weights.sum()),
             float(1 / np.sqrt(weights.sum())))
@@ -409,8 +408,7 @@ class DecodingPolicy:
     if self.records[choice].count:
       return max(0.0, -self._advantage(choice)[0])
     if choice not in self.line or self.current not in self.line:  # as the model predicts
-      predict = lambda c: self.model.ms_per_position(c, self.alpha(), self._positions())
-      return max(0.0, predict(choice) / predict(self.current) - 1.0)
+      return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
     line, i, j = self.line, self.line.index(self.current), self.line.index(choice)
     if abs(j - i) == 2:  # past a plateau: as slow as the neighbour in between, if that is
       return max(0.0, -self._advantage(line[(i + j) // 2])[0])
@@ -467,6 +465,10 @@ class DecodingPolicy:
     """Output positions per speculative batch (0 before any: the encoders' share left out)."""
     return float(np.mean([p for _, _, p in self.counts])) if self.counts else 0.0
 
+  def _predicted_ms(self, choice: Any) -> float:
+    """The model's ms per output position of `choice` at the job's acceptance and batch length."""
+    return self.model.ms_per_position(choice, self.alpha(), self._positions())
+
   def _ruled_out(self, choice: Any) -> bool:
     """Whether the model, early in the job, predicts `choice` slower than the running choice
     by more than MODEL_SLACK (`MODEL_TRUST`)."""
@@ -474,9 +476,7 @@ class DecodingPolicy:
     if (alpha is None or self.batches >= MODEL_TRUST or not self.model.prices(choice) or
         not self.model.prices(self.current)):
       return False  # (alpha is None without a model)
-    positions = self._positions()
-    predict = lambda c: self.model.ms_per_position(c, alpha, positions)
-    return predict(choice) > (1 + MODEL_SLACK) * predict(self.current)
+    return self._predicted_ms(choice) > (1 + MODEL_SLACK) * self._predicted_ms(self.current)
 
   def observe(self, choice: Any, seconds: float, decodes: Any,
               stats: Optional[Mapping[str, Any]] = None) -> None:
