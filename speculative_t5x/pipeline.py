@@ -284,17 +284,21 @@ class Pipeline:
 
   def decode(self, texts: Sequence[str], decoder: str = 'speculative', *, seed: int = 0,
              **decode_kwargs: Any) -> Decoded:
-    """Decodes `texts` with a `DECODERS` name and its arguments (e.g. gamma, temperature)."""
+    """Decodes `texts` with a `DECODERS` name and its arguments (e.g. gamma, temperature); when
+    sampling, batch i draws from fold_in(PRNGKey(seed), i)."""
     if not texts:
       raise ValueError('decode needs at least one text.')
     batches = self.batches(texts)
     rows = len(batches[0]['encoder_input_tokens'])
     decoding_policy, predictor = self.prepare(decoder, decode_kwargs, rows)
+    # A key per batch, as the infer job has: batches sharing one would share their random draws,
+    # and a sampled job's acceptance would be as noisy as a single batch's.
     rng = jax.random.PRNGKey(seed)
+    keyed = [(jax.random.fold_in(rng, i), batch) for i, batch in enumerate(batches)]
     outputs, schedule = [], collections.Counter()
     for _, choice, out in decoding_policy.stream(  # a choice is compiled when first met, untimed
-        batches, lambda choice, batch: predictor(choice, batch, rng),
-        lambda choice, batch: predictor.prepare(choice, batch, rng)):
+        keyed, lambda choice, item: predictor(choice, item[1], item[0]),
+        lambda choice, item: predictor.prepare(choice, item[1], item[0])):
       outputs.append(jax.tree.map(np.asarray, out))
       schedule[choice] += 1
     return self._collect(outputs, len(texts), schedule, decoding_policy)

@@ -171,6 +171,17 @@ def test_calibrate_beam_search_then_the_pipeline_starts_from_it(
   assert not np.array_equal(one.scores, plain.scores)
 
 
+def test_pipeline_samples_each_batch_with_its_own_key(small_pair: pipeline.Pair) -> None:
+  """Batches of one job draw independently (the same input gives two samples), and a job is
+  reproducible from its seed."""
+  pipe = pipeline.Pipeline(small_pair, batch_size=1, max_output_length=16)
+  texts = ['Ein Hund läuft über die Wiese.'] * 2
+  first = pipe.decode(texts, 'target', temperature=1.0, seed=3)
+  assert not np.array_equal(first.tokens[0], first.tokens[1])
+  np.testing.assert_array_equal(first.tokens,
+                                pipe.decode(texts, 'target', temperature=1.0, seed=3).tokens)
+
+
 def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   drafts.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1',
                                   '--sampling_gammas', '', '--bleu_sentences', '4'])
