@@ -9,24 +9,24 @@ Multi30k's test captions): the target's cached step for 1..max_gamma+1 tokens pe
 draft's and the encoders, each in isolation (`probes`), and the real decode loops of
 --fit_gammas (the target alone and two speculative gammas by default), all timed in the same
 round-robin rounds; from them the `costs.StepCosts` model of every gamma, its overheads fitted
-to the loops, and the acceptance the loops counted; the gamma it predicts fastest is the batch
-size's entry in the schedule. --check times every other gamma's loop with them and reports the
-model's error on each (the other gammas are not used for the fit). Each of --trees (token trees,
-`trees.tree_speculative_sample`) runs its real loop in the same rounds: its count gives its
-acceptance lift over the chains, its time the model's error on it; a job under gamma 'auto'
-runs a tree where the model predicts it fastest (the schedule, which T5X's adapter also reads,
-holds gammas). --beam_size N calibrates beam search of N beams instead: beam_search itself
+to the loops, and the acceptance the loops counted. --check times every other gamma's loop
+with them and reports the model's error on each (the other gammas are not used for the fit).
+Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
+rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
+The choice the model predicts fastest, a gamma or a tree, is the batch size's entry in the
+schedule (T5X's adapter runs either; a job under gamma 'auto' starts there). --beam_size N calibrates beam search of N beams instead: beam_search itself
 and the trees of `branching='auto'`, each one's real loop timed; the job starts from the one the
 model predicts fastest and does not explore early what it predicts much slower (no gamma
 schedule, no t5x_schedule.gin).
 
 Writes to --output_dir:
   calibration.json   the figures: step costs, fitted overheads, acceptance, predicted (and with
-                     --check measured) ms per output position per gamma, the schedule
+                     --check measured) ms per output position per choice, the schedule
   calibration.md     the same as tables
   t5x_schedule.gin   for `python -m t5x.infer` with gin_configs/t5x/*: binds
-                     SpeculativeEncoderDecoderModel.gamma_schedule (T5X traces predict_batch at
-                     a static batch size; the adapter takes that size's entry)
+                     SpeculativeEncoderDecoderModel.gamma_schedule, batch size -> gamma or tree
+                     (T5X traces predict_batch at a static batch size; the adapter takes that
+                     size's entry)
   infer_schedule.gin for speculative-t5x-infer: binds infer_script.infer.calibration to
                      calibration.json (with gamma 'auto' the job's policy starts from the
                      batch size's entry, follows its model, and keeps timing as a check)
@@ -233,7 +233,7 @@ def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: 
                          trees: Sequence[Tuple[int, ...]] = ()) -> Dict[str, Any]:
   """The model of `batch_size` fitted on `texts` (its --fit_gammas loops; with `check` every
   gamma's loop is timed with them and the model's error on each reported): its figures, the
-  gamma it predicts best (the schedule's entry) and its best choice of all. Each of `trees` runs
+  gamma it predicts best and its best choice of all (the schedule's entry). Each of `trees` runs
   its real loop too: its tokens per iteration give its lift (`costs.tree_lifts`), its time
   checks the model."""
   pipe = pipeline.Pipeline(pair, batch_size=batch_size, max_output_length=OUTPUT_LENGTH)
@@ -284,7 +284,7 @@ def _figures(model: costs.StepCosts, runs: Sequence[costs.LoopRun], alpha: float
 
 def schedule_gin(schedule: costs.Schedule, binding: str, header: Sequence[str],
                  imports: Sequence[str] = ()) -> str:
-  """A gin file binding `binding` to the schedule ({batch size: gamma})."""
+  """A gin file binding `binding` to the schedule ({batch size: gamma or tree})."""
   entries = ', '.join(f'{b}: {g}' for b, g in sorted(schedule.items()))
   return '\n'.join([f'# {line}' for line in header] + list(imports) +
                    [f'{binding} = {{{entries}}}', ''])
@@ -331,9 +331,10 @@ def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]
   beam search calibration (`beam_size`) has no gamma schedule and no t5x_schedule.gin."""
   output_dir.mkdir(parents=True, exist_ok=True)
   beams = results.get('beam_size', 0)
-  schedule = {} if beams else {int(b): r['best'] for b, r in results['batch_sizes'].items()}
-  header = [f'Written by: {command}', 'Batch size -> gamma, predicted fastest by the model in '
-            'calibration.json (gamma 0: the target alone).' if not beams else
+  schedule = {} if beams else {int(b): costs.parse_choice(r.get('best_choice', r['best']))
+                               for b, r in results['batch_sizes'].items()}
+  header = [f'Written by: {command}', 'Batch size -> gamma (0: the target alone) or token tree, '
+            'predicted fastest by the model in calibration.json.' if not beams else
             f'Beam search of {beams} beams: the trees predicted fastest are in calibration.json.']
   files = {
       'calibration.json': json.dumps({**results, 'schedule': schedule}, indent=1, default=float),

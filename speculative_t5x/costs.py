@@ -283,44 +283,46 @@ def tree_lifts(runs: Sequence[LoopRun], alpha: float) -> Dict[Tuple[int, ...], f
           for r in runs if isinstance(r.gamma, tuple) and r.gamma}
 
 
-Schedule = Mapping[int, int]
+Schedule = Mapping[int, Choice]  # batch size -> gamma or token tree
 
 
-def scheduled(schedule: Schedule, batch_size: int) -> Optional[int]:
-  """The schedule's gamma for `batch_size`: its own entry, else the nearest calibrated batch
+def scheduled(schedule: Schedule, batch_size: int) -> Optional[Choice]:
+  """The schedule's choice for `batch_size`: its own entry, else the nearest calibrated batch
   size's (by ratio; ties: the smaller); None for an empty schedule."""
   if not schedule:
     return None
-  if batch_size in schedule:
-    return int(schedule[batch_size])
-  nearest = min(schedule, key=lambda b: (abs(np.log(b / batch_size)), b))
-  return int(schedule[nearest])
+  nearest = batch_size if batch_size in schedule else min(
+      schedule, key=lambda b: (abs(np.log(b / batch_size)), b))
+  return parse_choice(schedule[nearest])
 
 
-def parse_schedule(values: Mapping[Any, Any]) -> Dict[int, int]:
-  """A schedule from gin or JSON ({batch size: gamma}, keys and values as ints); raises
-  ValueError naming the entry that is not a positive batch size with a gamma >= 0."""
+def parse_schedule(values: Mapping[Any, Any]) -> Dict[int, Choice]:
+  """A schedule from gin or JSON ({batch size: gamma or tree}: keys ints, values a gamma, a
+  branching as a tuple or list, or its `choice_name`); raises ValueError naming the entry that
+  is not a positive batch size with a gamma >= 0 or a tree of positive branching."""
   out = {}
   for key, value in values.items():
     try:
-      batch_size, gamma = int(key), int(value)
+      batch_size, choice = int(key), parse_choice(value)
     except (TypeError, ValueError):
-      raise ValueError(f'schedule entry {key!r}: {value!r} is not batch_size: gamma') from None
-    if batch_size < 1 or gamma < 0:
-      raise ValueError(f'schedule entry {key!r}: {value!r}: batch size must be >= 1 and gamma '
-                       '>= 0')
-    out[batch_size] = gamma
+      raise ValueError(f'schedule entry {key!r}: {value!r} is not batch_size: gamma (or a '
+                       'token tree, e.g. (2, 1))') from None
+    tree = isinstance(choice, tuple)
+    if batch_size < 1 or (tree and (not choice or min(choice) < 1)) or (not tree and choice < 0):
+      raise ValueError(f'schedule entry {key!r}: {value!r}: batch size must be >= 1, gamma >= 0 '
+                       'and a tree\'s branching positive')
+    out[batch_size] = choice
   return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """What speculative-t5x-calibrate measured (its calibration.json): {batch size: gamma} and
+  """What speculative-t5x-calibrate measured (its calibration.json): {batch size: choice} and
   {batch size: the fitted model} and {batch size: the acceptance it measured}, at `temperature`
   (a sampling loop's overheads and acceptance are not a greedy one's), or for beam search at
   `beam_size` (then the schedule is empty: each model prices beam search itself, (), and its
   trees, their beam steps per call as lifts over an acceptance of 0)."""
-  schedule: Dict[int, int]
+  schedule: Dict[int, Choice]
   models: Dict[int, StepCosts]
   temperature: float = 0.0
   alphas: Dict[int, float] = dataclasses.field(default_factory=dict)  # effective, per batch size

@@ -63,6 +63,10 @@ VERIFICATION_CHOICES = VERIFICATIONS + (AUTO_VERIFICATION,)  # what `verificatio
 # the project's CPU, against +0.6 / 2.2 / 2.9 / 6.3% tokens per call at gamma 2-5, T=1
 # (results/cpu/verifiers_auto/README.md).
 BLOCK_FROM_GAMMA = 2
+# What temperature_sample, speculative_sample and trees.tree_speculative_sample take alike: a
+# job that switches among them (a gamma or tree per batch size) keeps these and so samples the
+# same distribution.
+SAMPLING_ARGUMENTS = ('temperature', 'topk', 'topp', 'rescale_log_probs', 'max_decode_steps')
 # Logit given to masked tokens (T5X's value): finite, so no inf - inf in the arithmetic.
 NEG_INF = -1e7
 

@@ -26,7 +26,7 @@ import sys
 import textwrap
 import tokenize
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 from absl import app
 from absl import flags
@@ -267,3 +267,12 @@ def run(main: Callable[[Sequence[str]], None], argv: Optional[Sequence[str]] = N
   except ValueError as e:
     exit_with_error(str(e))
   app.run(main, argv=argv)
+
+
+def bound_arguments(fn: Callable) -> Dict[str, Any]:
+  """The arguments gin binds to `fn`, a configurable as gin hands one to a constructor (e.g.
+  `@spec_decoding.speculative_sample` under dynamic registration); {} where gin binds none."""
+  try:
+    return dict(gin.get_bindings(fn))
+  except ValueError:  # not in gin's registry: a plain function or partial
+    return {}

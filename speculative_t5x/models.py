@@ -103,6 +103,7 @@ class EncoderDecoderModel:
                draft_eos_id: Optional[int] = None,
                encoder_config: Optional[network.T5Config] = None):
     self.target_config = target_config
+    self.encoder_config = encoder_config
     if encoder_config is not None and target_config.has_encoder:
       raise ValueError('encoder_config is for a decoder-only target; this target has an encoder.')
     self.encoder_module = network.Transformer(encoder_config) if encoder_config else None
@@ -125,6 +126,16 @@ class EncoderDecoderModel:
     self.constrain_cache: Callable[[Any], Any] = lambda cache: cache
     if self.uses_draft:
       self._check_draft_compatible()
+
+  def with_decoder(self, decode_fn: Callable, decode_kwargs: Mapping[str, Any]
+                   ) -> 'EncoderDecoderModel':
+    """This model's networks and vocabularies decoding with decode_fn(**decode_kwargs): a new
+    model (whether it needs the draft follows from decode_fn)."""
+    return EncoderDecoderModel(
+        self.target_config, self.draft_config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
+        input_vocabulary=self.input_vocabulary, output_vocabulary=self.output_vocabulary,
+        draft_output_vocabulary=self.draft_output_vocabulary, eos_id=self.eos_id,
+        draft_eos_id=self.draft_eos_id, encoder_config=self.encoder_config)
 
   def _check_draft_compatible(self, params: Optional[Params] = None) -> None:
     """Raises ValueError naming both values if target and draft cannot be combined."""

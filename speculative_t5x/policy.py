@@ -609,8 +609,9 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   speculative_sample model with gamma='auto' gets gammas 0..max_gamma, a speculative_beam_search
   model with branching='auto' the `TREES`; any other model is its own single choice, None.
   calibration (speculative-t5x-calibrate's) and the job's batch_size: under gamma='auto' the
-  first batch runs the schedule's entry for batch_size (the nearest calibrated size's; else
-  `fallback_gamma`), clipped to max_gamma, and the policy follows the batch size's model
+  first batch runs the schedule's entry for batch_size (the nearest calibrated size's, a gamma
+  clipped to max_gamma or a tree the batch size's model prices; else `fallback_gamma`), and the
+  policy follows the batch size's model
   (`DecodingPolicy`'s `model`) when the calibration has one, the trees it priced among its
   choices (`modelled`); a calibration made at another temperature than the job's is not used.
   Under branching='auto' a beam search calibration of num_decodes beams (the job's beam size)
@@ -624,14 +625,16 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     if calibration is not None and not calibration.fits(temperature):
       calibration = None  # calibrated at another temperature: the timing search alone
     start = costs.scheduled(calibration.schedule, batch_size) if calibration else None
-    fallback = min(fallback_gamma(temperature, batch_size) if start is None else start,
-                   max_gamma)
     if calibration is not None:
       policy_kwargs.setdefault('model', calibration.model(batch_size))
       policy_kwargs.setdefault('prior_alpha', calibration.alphas.get(batch_size))
       policy_kwargs.setdefault('model_error', calibration.errors.get(batch_size))
     priced = policy_kwargs.get('model')
     tree_choices = tuple(priced.lifts) if priced is not None else ()
+    if isinstance(start, tuple) and start not in tree_choices:
+      start = None  # a tree that this batch size's model does not price
+    fallback = start if isinstance(start, tuple) else min(
+        fallback_gamma(temperature, batch_size) if start is None else start, max_gamma)
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, modelled=tree_choices,
                            **policy_kwargs),
             gamma_decoders(model, decode_kwargs, max_gamma, tree_choices))
@@ -662,17 +665,6 @@ def fallback_gamma(temperature: Any, batch_size: Optional[int] = None) -> int:
   return SAMPLING_FALLBACK_GAMMA if small else 0
 
 
-def _copy(model: models.EncoderDecoderModel, decode_fn: Callable,
-          decode_kwargs: Mapping[str, Any]) -> models.EncoderDecoderModel:
-  """`model` decoding with decode_fn(**decode_kwargs) (a new model: whether it needs the draft
-  follows from decode_fn)."""
-  return models.EncoderDecoderModel(
-      model.target_config, model.draft_config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
-      input_vocabulary=model.input_vocabulary, output_vocabulary=model.output_vocabulary,
-      draft_output_vocabulary=model.draft_output_vocabulary, eos_id=model.eos_id,
-      draft_eos_id=model.draft_eos_id)
-
-
 def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
                    max_gamma: int = MAX_GAMMA, tree_choices: Sequence[Tuple[int, ...]] = ()
                    ) -> Dict[costs.Choice, models.EncoderDecoderModel]:
@@ -689,16 +681,15 @@ def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str
   # Checked here too: the job's first batches may run the target alone and never trace it.
   decoding.resolve_verification(decode_kwargs.get('verification', decoding.AUTO_VERIFICATION),
                                 max_gamma, decode_kwargs.get('temperature', 1.0))
-  target_only = {k: decode_kwargs[k] for k in ('temperature', 'topk', 'topp', 'rescale_log_probs',
-                                               'max_decode_steps') if k in decode_kwargs}
+  target_only = {k: decode_kwargs[k] for k in decoding.SAMPLING_ARGUMENTS if k in decode_kwargs}
   target_only.setdefault('topk', 0)  # speculative_sample's default, not T5X's topk=1
   out: Dict[costs.Choice, models.EncoderDecoderModel] = {
-      0: _copy(model, decoding.temperature_sample, target_only)}
+      0: model.with_decoder(decoding.temperature_sample, target_only)}
   for gamma in range(1, max_gamma + 1):
-    out[gamma] = _copy(model, model.decode_fn, {**model.decode_kwargs, 'gamma': gamma})
+    out[gamma] = model.with_decoder(model.decode_fn, {**model.decode_kwargs, 'gamma': gamma})
   for tree in tree_choices:
-    out[tree] = _copy(model, trees.tree_speculative_sample,
-                      {**target_only, 'branching': tuple(tree)})
+    out[tree] = model.with_decoder(trees.tree_speculative_sample,
+                                   {**target_only, 'branching': tuple(tree)})
   return out
 
 
@@ -707,9 +698,9 @@ def tree_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str,
   """{branching: model}: () is beam_search itself with the same beam arguments, the others
   speculative_beam_search with that draft tree below each beam."""
   plain = inspect.signature(beam_search.beam_search).parameters
-  out = {(): _copy(model, beam_search.beam_search,
-                   {k: v for k, v in decode_kwargs.items() if k in plain})}
+  out = {(): model.with_decoder(beam_search.beam_search,
+                                {k: v for k, v in decode_kwargs.items() if k in plain})}
   for tree in TREES[1:]:
-    out[tree] = _copy(model, model.decode_fn, {**model.decode_kwargs, 'branching': tree})
+    out[tree] = model.with_decoder(model.decode_fn, {**model.decode_kwargs, 'branching': tree})
   return out
 

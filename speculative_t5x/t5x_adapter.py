@@ -57,7 +57,7 @@ import argparse
 import importlib.util
 import inspect
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import flax
 
@@ -66,6 +66,7 @@ from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import models
+from speculative_t5x import trees
 
 T5X_AVAILABLE = importlib.util.find_spec('t5x') is not None
 
@@ -112,7 +113,7 @@ class _SpeculativeMethods:
                optimizer_def=None, decode_fn: Callable = decoding.speculative_sample,
                decode_kwargs: Optional[Mapping[str, Any]] = None,
                default_decoder_params: Optional[Any] = None,
-               gamma_schedule: Optional[Mapping[int, int]] = None, **kwargs):
+               gamma_schedule: Optional[Mapping[int, Any]] = None, **kwargs):
     self.gamma_schedule = costs.parse_schedule(gamma_schedule or {})
     # Kept here as well as by T5X's constructor, which stores it privately.
     self._spec_default_decoder_params = (default_decoder_params or
@@ -125,6 +126,31 @@ class _SpeculativeMethods:
     self._pair = models.EncoderDecoderModel(
         module.config, draft_module.config, decode_fn=decode_fn, decode_kwargs=decode_kwargs,
         input_vocabulary=input_vocabulary, output_vocabulary=output_vocabulary)
+    self._tree_pairs = self._scheduled_trees(decode_fn, decode_kwargs or {})
+
+  def _scheduled_trees(self, decode_fn: Callable, decode_kwargs: Mapping[str, Any]
+                       ) -> Dict[Tuple[int, ...], models.EncoderDecoderModel]:
+    """{branching: the pair decoding with trees.tree_speculative_sample} for the schedule's
+    trees, sampling as decode_fn does (its gin-bound and explicit temperature, topk, topp): a
+    tree keeps speculative_sample's distribution, so only an exact speculative_sample may be
+    replaced by one."""
+    tree_choices = {c for c in self.gamma_schedule.values() if isinstance(c, tuple)}
+    if not tree_choices or not self._has_gamma():
+      return {}
+    arguments = {**gin_utils.bound_arguments(decode_fn), **decode_kwargs}
+    name = getattr(getattr(decode_fn, 'func', decode_fn), '__name__', decode_fn)
+    if (name != decoding.speculative_sample.__name__ or arguments.get('lenience', 1.0) != 1.0
+        or arguments.get('rule') is not None):
+      raise ValueError(f'gamma_schedule holds token trees {sorted(tree_choices)}: they need '
+                       f'decode_fn speculative_sample, exact (lenience 1, no rule); got {name} '
+                       f'with {arguments}.')
+    sampling = {k: arguments[k] for k in decoding.SAMPLING_ARGUMENTS if k in arguments}
+    return {tree: self._pair.with_decoder(trees.tree_speculative_sample,
+                                          {**sampling, 'branching': tree})
+            for tree in tree_choices}
+
+  def _has_gamma(self) -> bool:
+    return 'gamma' in inspect.signature(self._pair.decode_fn).parameters
 
   def get_initial_variables(self, rng, input_shapes, input_types=None):
     # T5X's version passes keyword arguments (positions, decode=...) that this network's
@@ -171,21 +197,24 @@ class _SpeculativeMethods:
       rng = decoder_params['decode_rng']
     # The pair model sets decode_rng itself (from `rng`); a second one would clash.
     decoder_params.pop('decode_rng', None)
-    gamma = self.scheduled_gamma(batch['encoder_input_tokens'].shape[0])
-    if gamma is not None and 'gamma' not in decoder_params:
-      decoder_params['gamma'] = gamma
-    return self._pair.predict_batch_with_aux(
+    pair, choice = self._pair, self.scheduled_choice(batch['encoder_input_tokens'].shape[0])
+    if choice is not None and 'gamma' not in decoder_params:  # an explicit gamma overrides it
+      if isinstance(choice, tuple):
+        pair = self._tree_pairs[choice]
+      else:
+        decoder_params['gamma'] = choice
+    return pair.predict_batch_with_aux(
         params, batch, rng, decoder_params=decoder_params,
         return_all_decodes=bool(return_all_decodes), num_decodes=int(num_decodes),
         prompt_with_targets=prompt_with_targets)
 
-  def scheduled_gamma(self, batch_size: int) -> Optional[int]:
-    """The calibrated gamma for `batch_size` (`gamma_schedule`, written by
+  def scheduled_choice(self, batch_size: int) -> Optional[costs.Choice]:
+    """The calibrated gamma or token tree for `batch_size` (`gamma_schedule`, written by
     speculative-t5x-calibrate; T5X traces predict_batch at a static batch size, so the choice is
     made once per compiled program), None without a schedule or for a decoder without gamma.
     Gamma 0 is a schedule's "the target alone": speculative_sample at gamma 0 decodes with the
-    target only."""
-    if not self.gamma_schedule or 'gamma' not in inspect.signature(self._pair.decode_fn).parameters:
+    target only; a tree, trees.tree_speculative_sample with that branching."""
+    if not self.gamma_schedule or not self._has_gamma():
       return None
     return costs.scheduled(self.gamma_schedule, batch_size)
 
@@ -203,8 +232,10 @@ def _build_class() -> type:
       it, and `decoder_params` of `predict_batch_with_aux` override them.
     default_decoder_params: as T5X's: `return_all_decodes` / `num_decodes` used when
       `predict_batch_with_aux` is not given them.
-    gamma_schedule: {batch size: gamma} (speculative-t5x-calibrate's t5x_schedule.gin): the
-      gamma of a predict_batch call is its batch size's entry (the nearest calibrated size's).
+    gamma_schedule: {batch size: gamma or token tree} (speculative-t5x-calibrate's
+      t5x_schedule.gin): a predict_batch call decodes with its batch size's entry (the nearest
+      calibrated size's); a tree, e.g. (2, 1, 1, 1), with trees.tree_speculative_sample at
+      decode_fn's temperature, topk and topp.
     """
     _decoder_params_type = t5x_models.DecoderParams
 

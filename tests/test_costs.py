@@ -168,6 +168,12 @@ def test_schedule_lookup_and_parsing():
     costs.parse_schedule({'x': 1})
   with pytest.raises(ValueError, match='batch size must be >= 1'):
     costs.parse_schedule({0: 1})
+  # Token trees: as gin writes them (tuples), JSON (lists) or their names.
+  trees = costs.parse_schedule({1: (2, 1), 8: [3, 1], 32: '(2,1,1,1)'})
+  assert trees == {1: (2, 1), 8: (3, 1), 32: (2, 1, 1, 1)} and costs.scheduled(trees, 16) == (3, 1)
+  for bad in ((0, 1), [], -1):
+    with pytest.raises(ValueError, match='schedule entry 1'):
+      costs.parse_schedule({1: bad})
 
 
 def test_plan_starts_auto_at_the_scheduled_gamma():
@@ -179,6 +185,11 @@ def test_plan_starts_auto_at_the_scheduled_gamma():
   starts = [policy.plan(pair, kwargs, calibration=calibration, batch_size=b)[0].fallback
             for b in (1, 2, 8, 32, 64)]
   assert starts == [4, 4, policy.MAX_GAMMA, 0, 0]
+  # A scheduled tree starts the job where the batch size's model prices it, else the fallback.
+  priced = dataclasses.replace(model(), lifts={(2, 1): 0.05})
+  trees = costs.Calibration({1: (2, 1), 8: (2, 1)}, {1: priced, 8: model()})
+  starts = [policy.plan(pair, kwargs, calibration=trees, batch_size=b)[0].fallback for b in (1, 8)]
+  assert starts == [(2, 1), policy.FALLBACK_GAMMA]
 
 
 def test_speculative_sample_at_gamma_0_is_the_target_alone():

@@ -209,11 +209,16 @@ def test_calibrated_schedule_file_binds_the_pair_models_schedule(clean_gin, tmp_
       'target_ms': {}, 'draft_ms': {}, 'batch_ms': 0.0, 'plain_overhead_ms': 0.0,
       'overhead_ms': 0.0, 'overhead_per_token_ms': 0.0}}
   written = calibrate.write(tmp_path, {'command': 'x', 'batch_sizes': {
-      1: {**block, 'best': 4}, 32: {**block, 'best': 0}}}, 'x')
+      1: {**block, 'best': 4}, 8: {**block, 'best': 2, 'best_choice': '(2,1,1,1)'},
+      32: {**block, 'best': 0}}}, 'x')
   gin.parse_config_files_and_bindings(
       [str(T5X_CONFIGS / 'multi30k_pair.gin'), str(T5X_CONFIGS / 'speculative_greedy.gin'),
        str(written[2])], [])
-  assert _gin_value('MODEL').gamma_schedule == {1: 4, 32: 0}
+  model = _gin_value('MODEL')
+  assert model.gamma_schedule == {1: 4, 8: (2, 1, 1, 1), 32: 0}
+  # The tree samples as the gin-bound speculative_sample does: greedy.
+  assert model._tree_pairs[2, 1, 1, 1].decode_kwargs == {  # pylint: disable=protected-access
+      'temperature': 0.0, 'branching': (2, 1, 1, 1)}
 
 
 def test_bild_file_binds_greedy_bild(clean_gin):
@@ -438,8 +443,8 @@ def test_a_calibrated_schedule_sets_gamma_by_the_traced_batch_size():
   assert calls[-1]['gamma'] == 4
   model.predict_batch_with_aux(params, batch, decoder_params={'gamma': 1})
   assert calls[-1]['gamma'] == 1
-  assert [model.scheduled_gamma(b) for b in (8, 16, 64)] == [3, 0, 0]
-  assert _tiny_model(decode_fn=_recording_decoder(calls))[0].scheduled_gamma(2) is None
+  assert [model.scheduled_choice(b) for b in (8, 16, 64)] == [3, 0, 0]
+  assert _tiny_model(decode_fn=_recording_decoder(calls))[0].scheduled_choice(2) is None
 
 
 def test_scheduled_gamma_0_decodes_with_the_target_alone():
@@ -448,6 +453,33 @@ def test_scheduled_gamma_0_decodes_with_the_target_alone():
                                      decode_kwargs={'temperature': 0.0}, eos_id=1)
   np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, batch),
                                 jax.jit(alone.predict_batch)(params, batch))
+
+
+def test_a_scheduled_tree_decodes_with_the_tree_and_the_target_greedy_output():
+  """A schedule entry (2, 1): that batch size decodes with tree_speculative_sample at
+  speculative_sample's arguments, the target's greedy output; an explicit gamma overrides it."""
+  model, params, batch, (target_cfg, _) = _tiny_model(gamma_schedule={2: (2, 1), 1: 3})
+  assert model.scheduled_choice(2) == (2, 1) and model.scheduled_choice(1) == 3
+  decodes, aux = jax.jit(model.predict_batch_with_aux)(params, batch)
+  alone = models.EncoderDecoderModel(target_cfg, decode_fn=decoding.temperature_sample,
+                                     decode_kwargs={'temperature': 0.0}, eos_id=1)
+  np.testing.assert_array_equal(decodes, jax.jit(alone.predict_batch)(params, batch))
+  # Each call proposes the tree's 4 nodes (a chain of gamma 2 would propose 2).
+  stats = {k: np.asarray(v) for k, v in aux['stats'].items()}
+  np.testing.assert_array_equal(stats['proposed'], 4 * stats['target_calls'])
+  _, aux = model.predict_batch_with_aux(params, batch, decoder_params={'gamma': 2})
+  stats = {k: np.asarray(v) for k, v in aux['stats'].items()}
+  assert (stats['proposed'] <= 2 * stats['target_calls']).all()  # (fewer near the length limit)
+
+
+def test_a_tree_schedule_needs_exact_speculative_sampling():
+  # (A decoder without gamma ignores a schedule, gammas and trees alike.)
+  bild = _tiny_model(decode_fn=decoding.bild_decode, decode_kwargs={}, gamma_schedule={2: (2, 1)})
+  assert bild[0].scheduled_choice(2) is None
+  with pytest.raises(ValueError, match='lenience 1'):
+    _tiny_model(decode_kwargs={'lenience': 0.5}, gamma_schedule={2: (2, 1)})
+  with pytest.raises(ValueError, match='schedule entry 2'):
+    _tiny_model(gamma_schedule={2: (0, 1)})
 
 
 def test_compute_logits_returns_mutated_variables_when_asked():
