@@ -207,19 +207,28 @@ def _beam_steps(decoded: pipeline.Decoded, batch_size: int) -> List[int]:
 
 
 def _counts(decoded: pipeline.Decoded, batch_size: int,
-            steps: Optional[Sequence[int]] = None) -> Dict[str, int]:
+            steps: Optional[Sequence[int]] = None) -> Dict[str, Any]:
   """The batches, loop iterations and output positions of a decode: per batch its most target
   calls of a row (the target alone, which counts none: one iteration per position) and its
-  longest output, summed. With `steps` (beam search's, per batch) positions are beam steps:
-  beam_search takes more steps than its best output has tokens, one target call each."""
-  out = dict(batches=0, iterations=0, positions=0)
+  longest output, summed; the accepted draft tokens and the calls that rejected one, summed
+  over rows; each batch's rows' output positions (padding rows 0). With `steps` (beam
+  search's, per batch) positions are beam steps: beam_search takes more steps than its best
+  output has tokens, one target call each (and nothing else is counted)."""
+  out = dict(batches=0, iterations=0, positions=0, accepted=0, rejected=0, lengths=[])
+  stats = decoded.stats or {}
   for i, start in enumerate(range(0, len(decoded.tokens), batch_size)):
     rows = slice(start, start + batch_size)
-    positions = policy.output_positions(decoded.tokens[rows]) if steps is None else steps[i]
+    lengths = policy.row_positions(decoded.tokens[rows])
+    positions = max(1, int(lengths.max())) if steps is None else steps[i]
     out['batches'] += 1
     out['positions'] += positions
-    out['iterations'] += (int(np.max(decoded.stats['target_calls'][rows]))
-                          if decoded.stats else positions)
+    out['iterations'] += (int(np.max(stats['target_calls'][rows])) if stats else positions)
+    if steps is None:
+      out['lengths'].append(tuple(int(n) for n in lengths) + (0,) * (batch_size - len(lengths)))
+    if steps is None and stats:
+      out['accepted'] += int(np.sum(stats['accepted'][rows]))
+      out['rejected'] += int(np.sum(stats['rollbacks'][rows]))
+  out['lengths'] = tuple(out['lengths'])
   return out
 
 
@@ -241,10 +250,11 @@ def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: 
   model, runs = measure(pair, pipe, texts, gammas + list(trees), temperature, max_gamma, rounds)
   fitted_on = [r for r in runs if r.gamma in fit_gammas]
   model, alpha = costs.fit(model, fitted_on), costs.pooled_alpha(fitted_on)
-  model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, alpha))
+  model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, alpha),
+                              spread=costs.fit_spread(model, fitted_on, alpha))
   checked = [r for r in runs if check or isinstance(r.gamma, tuple)]  # trees: always
   return {**_figures(model, runs, alpha, model.choices(), checked),
-          'best': model.best(alpha, range(model.max_gamma + 1)),
+          'best': model.best(alpha, range(model.max_gamma + 1), _lengths(runs)),
           'fit_gammas': sorted(set(fit_gammas))}
 
 
@@ -268,18 +278,24 @@ def _figures(model: costs.StepCosts, runs: Sequence[costs.LoopRun], alpha: float
              choices: Sequence[costs.Choice], checked: Sequence[costs.LoopRun]
              ) -> Dict[str, Any]:
   """A batch size's block of calibration.json: the model, its predicted ms per output position
-  of each of `choices` (at the runs' mean positions per batch), the runs, and the model's error
-  on the `checked` runs."""
+  of each of `choices` (for the runs' batches: their rows' output positions, or for beam search
+  their mean longest), the runs, and the model's error on the `checked` runs."""
   positions = sum(r.positions for r in runs) / sum(r.batches for r in runs)  # per batch
-  name = costs.choice_name
+  lengths, name = _lengths(runs), costs.choice_name
   out = dict(costs=model.to_json(), alpha=alpha, positions_per_batch=positions,
-             predicted_ms_per_position={name(c): model.ms_per_position(c, alpha, positions)
+             predicted_ms_per_position={name(c): model.ms_per_position(c, alpha, positions,
+                                                                        lengths)
                                         for c in choices},
-             best_choice=name(model.best(alpha, choices)),
+             best_choice=name(model.best(alpha, choices, lengths)),
              runs=[{**dataclasses.asdict(r), 'gamma': name(r.gamma)} for r in runs])
   if checked:
     out['check'] = {name(c): v for c, v in costs.check(model, checked, alpha).items()}
   return out
+
+
+def _lengths(runs: Sequence[costs.LoopRun]) -> Optional[List[Tuple[int, ...]]]:
+  """The runs' batches' rows' output positions, all runs' together (None for beam search)."""
+  return [batch for r in runs for batch in r.lengths] or None
 
 
 def schedule_gin(schedule: costs.Schedule, binding: str, header: Sequence[str],
@@ -297,7 +313,10 @@ def markdown(results: Mapping[str, Any]) -> str:
            f"Devices: {results.get('devices', '')}; temperature {results.get('temperature')}.", '',
            'ms per output position of each gamma: predicted by the model (step costs measured in '
            'isolation, overheads fitted to the loops of the fit gammas) and measured (the real '
-           'loop, timed in the same rounds); tokens per loop iteration as counted.', '']
+           'loop, timed in the same rounds); tokens per loop iteration and the paper\'s alpha '
+           '(accepted / (accepted + rejected) draft tokens) as counted. Alpha is the chains\' '
+           'over the fit gammas; a batch\'s loop runs until its slowest row is done, predicted '
+           'from its rows\' output positions, times the spread.', '']
   if results.get('beam_size'):
     lines += [f"Beam search of {results['beam_size']} beams: per beam step (beam search takes "
               'more steps than its best output has tokens), tokens per iteration are beam steps '
@@ -305,16 +324,19 @@ def markdown(results: Mapping[str, Any]) -> str:
   for batch_size, block in results['batch_sizes'].items():
     c, check = block['costs'], block.get('check', {})
     runs = {costs.choice_name(costs.parse_choice(r['gamma'])): r for r in block.get('runs', [])}
-    lines += [f"## Batch {batch_size}: alpha (effective) {block['alpha']:.3f}, best "
+    lines += [f"## Batch {batch_size}: alpha {block['alpha']:.3f}, spread "
+              f"{c.get('spread', 1.0):.3f}, best "
               f"{block['best']}, best choice {block.get('best_choice', block['best'])}, fitted "
               f"on {block.get('fit_gammas')}", '',
-              '| gamma / tree | predicted | measured | error | tokens/iteration |',
-              '|---|---|---|---|---|']
+              '| gamma / tree | predicted | measured | error | tokens/iteration | alpha |',
+              '|---|---|---|---|---|---|']
     for g, predicted in block['predicted_ms_per_position'].items():
       row, run = check.get(str(g), {}), runs.get(str(g))
+      counted = (run or {}).get('accepted', 0) + (run or {}).get('rejected', 0)
       lines.append(f"| {g} | {predicted:.3f} | {row.get('measured', float('nan')):.3f} | "
                    f"{row.get('error', float('nan')):+.1%} | " +
-                   (f"{run['positions'] / max(run['iterations'], 1):.2f} |" if run else ' |'))
+                   (f"{run['positions'] / max(run['iterations'], 1):.2f} |" if run else ' |') +
+                   (f" {run['accepted'] / counted:.3f} |" if counted else ' |'))
     lines += ['', 'Costs (ms): target step by tokens per row ' + ', '.join(
         f'{k}: {v:.3f}' for k, v in c['target_ms'].items()) + '; draft ' + ', '.join(
         f'{k}: {v:.3f}' for k, v in c['draft_ms'].items()) +

@@ -20,8 +20,9 @@ what a batch costs once (the encoders, the dispatch) over its positions.
 
 A draft token tree (`trees.tree_speculative_sample`, branching b0, b1, ...) is priced the same
 way from its call shape (`call_shape`: one draft call per level, the first feeding 2 tokens and
-level d its b0...b(d-1) nodes; one target call over all 1 + b0 + b0 b1 + ... nodes) and an
-acceptance lift: its effective acceptance (solved at its depth) above the chains', measured by a
+level d its b0...b(d-1) nodes; one target call over all 1 + b0 + b0 b1 + ... nodes), the
+overhead per draft token paid for each of its b0 + b0 b1 + ... proposed nodes (`proposed`:
+each is sampled, drawn from and walked as a chain's token is), and an acceptance lift: its effective acceptance (solved at its depth) above the chains', measured by a
 calibration that runs it (`tree_lifts`). A gamma is the chain (1,) * gamma.
 
 Counting is exact where timing is noisy: a policy that knows the step costs follows a change
@@ -32,6 +33,7 @@ takes dozens of batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -45,6 +47,11 @@ Choice = Union[int, Tuple[int, ...]]
 def branching(choice: Choice) -> Tuple[int, ...]:
   """A choice's draft tree: gamma g is the chain (1,) * g (0: no draft), a tree its branching."""
   return tuple(int(b) for b in choice) if isinstance(choice, tuple) else (1,) * int(choice)
+
+
+def proposed(choice: Choice) -> int:
+  """Draft tokens proposed per loop iteration: gamma, or the tree's nodes below the root."""
+  return call_shape(choice)[1] - 1
 
 
 def depth(choice: Choice) -> int:
@@ -100,6 +107,51 @@ def effective_alpha(tokens_per_iteration: float, gamma: int) -> float:
   return (low + high) / 2
 
 
+def row_alpha(accepted: float, rejected: float) -> float:
+  """The paper's acceptance: accepted / (accepted + rejected) draft tokens (a call's first
+  rejection ends its run, so this is the rate of a run of acceptances); 0 without any."""
+  return accepted / (accepted + rejected) if accepted + rejected else 0.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _done_within(alpha: float, depth: int, max_length: int) -> np.ndarray:
+  """[n, L] for n, L = 0..max_length: the probability that a row of L output positions is done
+  within n loop iterations, each emitting 1 + a run of acceptances (each alpha, at most
+  `depth`): a recurrence over the positions emitted so far (capped at max_length)."""
+  emit = np.array([alpha ** (k - 1) * (1 - alpha) for k in range(1, depth + 1)] +
+                  [alpha ** depth])  # P(k positions), k = 1..depth + 1
+  emitted = np.zeros(max_length + 1)
+  emitted[0] = 1.0
+  out = np.empty((max_length + 1, max_length + 1))
+  for n in range(max_length + 1):
+    out[n] = np.cumsum(emitted[::-1])[::-1]  # P(emitted >= L)
+    after = np.zeros_like(emitted)
+    after[max_length] = emitted[max_length]
+    for k, p in enumerate(emit, start=1):
+      after[k:max_length] += p * emitted[:max(max_length - k, 0)]
+      after[max_length] += p * emitted[max(max_length - k, 0):max_length].sum()
+    emitted = after
+  return out
+
+
+def batch_iterations(lengths: Any, alpha: float, depth: int) -> np.ndarray:
+  """Expected loop iterations of each batch of rows with `lengths` output positions ([batches,
+  rows]; 0 for padding rows), every row accepting at `alpha`: the expected most of its rows'
+  (a batch's loop runs until its slowest row is done). Exact under that model, linear in
+  alpha between tables at steps of 0.01 (computed once each)."""
+  lengths = np.atleast_2d(np.asarray(lengths, int))
+  top = int(2 ** np.ceil(np.log2(max(int(lengths.max()), 16))))  # a few table sizes
+  grid = min(max(alpha, 0.0), 1.0) * 100
+  low = min(int(grid), 99)
+
+  def expected(a: float) -> np.ndarray:
+    done = _done_within(round(a, 2), depth, top)[:, lengths]  # [n, batches, rows]
+    return np.sum(1.0 - np.prod(done, axis=-1), axis=0)
+
+  weight = grid - low
+  return (1 - weight) * expected(low / 100) + weight * expected((low + 1) / 100)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
   """What one batch size's decode is made of, in ms (module docstring).
@@ -110,9 +162,11 @@ class StepCosts:
   batch_ms: what a batch costs once: both encoders and their caches, measured in isolation
     (host work and dispatch go into the fitted overheads).
   plain_overhead_ms, overhead_ms, overhead_per_token_ms: fitted from real loops (`fit`); a tree
-    pays overhead_per_token_ms per level.
-  lifts: {tree branching: its effective acceptance above the chains'} (`tree_lifts`): the trees
-    this model prices.
+    pays overhead_per_token_ms per proposed node.
+  lifts: {tree branching: its acceptance above the chains'} (`tree_lifts`): the trees this
+    model prices.
+  spread: a batch's measured loop iterations over `batch_iterations`' (`fit_spread`): the rows
+    of a batch do not all accept alike, and its slowest rows set its iterations.
   """
   batch_size: int
   target_ms: Mapping[int, float]
@@ -122,6 +176,7 @@ class StepCosts:
   overhead_ms: float = 0.0
   overhead_per_token_ms: float = 0.0
   lifts: Mapping[Tuple[int, ...], float] = dataclasses.field(default_factory=dict)
+  spread: float = 1.0
 
   @property
   def max_gamma(self) -> int:
@@ -154,27 +209,44 @@ class StepCosts:
     if not branching(choice):
       return self.steps_ms(0) + self.plain_overhead_ms
     return (self.steps_ms(choice) + self.overhead_ms +
-            depth(choice) * self.overhead_per_token_ms)
+            proposed(choice) * self.overhead_per_token_ms)
 
-  def tokens(self, choice: Choice, alpha: float) -> float:
-    """Expected output tokens per iteration of `choice` at the chains' acceptance `alpha`."""
+  def acceptance(self, choice: Choice, alpha: float) -> float:
+    """The per-token acceptance of `choice` at the chains' `alpha`: a tree's with its lift."""
+    lift = self.lifts.get(choice, 0.0) if isinstance(choice, tuple) else 0.0
+    return min(max(alpha + lift, 0.0), 1.0)
+
+  def tokens(self, choice: Choice, alpha: float, lengths: Optional[Any] = None) -> float:
+    """Expected output tokens per iteration of `choice` at the chains' acceptance `alpha`: per
+    row (the paper's formula), or with `lengths` ([batches, rows] or [rows] output positions)
+    per iteration of those batches' loops, which run until their longest row is done
+    (`batch_iterations`, times `spread`)."""
     if not branching(choice):
       return 1.0
-    lift = self.lifts.get(choice, 0.0) if isinstance(choice, tuple) else 0.0
-    return expected_tokens(min(max(alpha + lift, 0.0), 1.0), depth(choice))
+    if lengths is None:
+      return expected_tokens(self.acceptance(choice, alpha), depth(choice))
+    lengths = np.atleast_2d(lengths)
+    return float(np.sum(np.max(lengths, axis=1)) / (self.spread * np.sum(batch_iterations(
+        lengths, self.acceptance(choice, alpha), depth(choice)))))
 
-  def ms_per_position(self, choice: Choice, alpha: float, positions: float = 0.0) -> float:
-    """Predicted ms per output position of `choice` with acceptance `alpha` (effective: see
-    `effective_alpha`), the batch's one-off cost spread over `positions` when given."""
+  def ms_per_position(self, choice: Choice, alpha: float, positions: float = 0.0,
+                      lengths: Optional[Any] = None) -> float:
+    """Predicted ms per output position of `choice` at acceptance `alpha`, the batch's one-off
+    cost spread over `positions` when given; with `lengths` (rows' output positions of one or
+    more batches, [batches, rows]) over those batches, alpha then the paper's (`row_alpha`),
+    else an effective one (`effective_alpha`)."""
+    if lengths is not None:
+      positions = float(np.mean(np.max(np.atleast_2d(lengths), axis=1)))
     once = self.batch_ms / positions if positions else 0.0
-    return self.iteration_ms(choice) / self.tokens(choice, alpha) + once
+    return self.iteration_ms(choice) / self.tokens(choice, alpha, lengths) + once
 
-  def best(self, alpha: float, choices: Optional[Iterable[Choice]] = None) -> Choice:
+  def best(self, alpha: float, choices: Optional[Iterable[Choice]] = None,
+           lengths: Optional[Any] = None) -> Choice:
     """The choice with the lowest predicted ms per position (ties: the shallower, then the
     smaller tree); by default every gamma and tree the model prices."""
     choices = self.choices() if choices is None else choices
-    return min(choices, key=lambda c: (self.ms_per_position(c, alpha), depth(c),
-                                       call_shape(c)[1]))
+    return min(choices, key=lambda c: (self.ms_per_position(c, alpha, lengths=lengths),
+                                       depth(c), call_shape(c)[1]))
 
   def to_json(self) -> Dict[str, Any]:
     out = dataclasses.asdict(self)
@@ -196,12 +268,21 @@ class StepCosts:
 class LoopRun:
   """Real loops of one choice (a gamma or a tree) over some batches: their wall ms (encoders
   included), loop iterations (the batch's most target calls of a row) and output positions (its
-  longest row), summed over the batches."""
+  longest row), summed over the batches; the draft tokens its rows accepted and the calls that
+  rejected one, and each batch's rows' output positions (none for beam search)."""
   gamma: Choice
   batches: int
   ms: float
   iterations: int
   positions: int
+  accepted: int = 0
+  rejected: int = 0
+  lengths: Tuple[Tuple[int, ...], ...] = ()
+
+  @property
+  def alpha(self) -> float:
+    """The paper's acceptance its rows counted (`row_alpha`)."""
+    return row_alpha(self.accepted, self.rejected)
 
   @property
   def tokens_per_iteration(self) -> float:
@@ -215,12 +296,13 @@ class LoopRun:
 def fit(costs: StepCosts, runs: Sequence[LoopRun]) -> StepCosts:
   """`costs` with the loops' overheads fitted to `runs`: the target alone's per iteration from
   its runs, the speculative loop's (fixed and per draft token) by least squares on
-  ms - batches * batch_ms - iterations * steps = iterations * (overhead + gamma * per token),
+  ms - batches * batch_ms - iterations * steps = iterations * (overhead + proposed * per token),
   each run weighted by 1 / ms (relative errors count alike); negative fits clipped to 0.
 
   Needs the plain decoder (gamma 0; beam search itself, ()) and a speculative choice; two or
-  more depths fit the growth with depth, one depth leaves it 0. A sampling calibration fits
-  chains and checks its trees against the fit; a beam search one fits its trees (all depth 1).
+  more numbers of proposed tokens fit the growth with them, one leaves it 0. A sampling
+  calibration fits chains and checks its trees against the fit; a beam search one fits its
+  trees (one level of 1 to 8 nodes).
   """
   names = sorted(choice_name(r.gamma) for r in runs)
   if all(branching(r.gamma) for r in runs) or not any(branching(r.gamma) for r in runs):
@@ -233,8 +315,8 @@ def fit(costs: StepCosts, runs: Sequence[LoopRun]) -> StepCosts:
   plain_overhead = sum(rest(r) for r in plain) / sum(r.iterations for r in plain)
   spec = [r for r in runs if branching(r.gamma)]
   columns = [[r.iterations for r in spec]]
-  if len({depth(r.gamma) for r in spec}) > 1:
-    columns.append([r.iterations * depth(r.gamma) for r in spec])
+  if len({proposed(r.gamma) for r in spec}) > 1:
+    columns.append([r.iterations * proposed(r.gamma) for r in spec])
   weights = np.array([1 / r.ms for r in spec])
   solution = np.linalg.lstsq(np.array(columns, float).T * weights[:, None],
                              np.array([rest(r) for r in spec]) * weights, rcond=None)[0]
@@ -246,41 +328,55 @@ def fit(costs: StepCosts, runs: Sequence[LoopRun]) -> StepCosts:
 def check(costs: StepCosts, runs: Sequence[LoopRun], alpha: float
           ) -> Dict[Choice, Dict[str, float]]:
   """Predicted against measured ms per output position for each run: {choice: {predicted,
-  measured, error}} (error = predicted / measured - 1), the batches' positions and `alpha`
-  (effective) given."""
+  measured, error}} (error = predicted / measured - 1), the acceptance `alpha` and the runs'
+  rows' output positions given (without them, their longest rows' and an effective alpha)."""
   out = {}
   for r in runs:
-    predicted = (r.batches * costs.batch_ms + r.positions * costs.ms_per_position(r.gamma, alpha)
-                 ) / r.positions
+    if r.lengths:
+      predicted = costs.ms_per_position(r.gamma, alpha, lengths=r.lengths)
+    else:
+      predicted = (r.batches * costs.batch_ms + r.positions * costs.ms_per_position(
+          r.gamma, alpha)) / r.positions
     out[r.gamma] = dict(predicted=predicted, measured=r.ms_per_position,
                         error=predicted / r.ms_per_position - 1.0)
   return out
 
 
 def pooled_alpha(runs: Sequence[LoopRun]) -> float:
-  """The effective acceptance of the speculative chains' runs: each run's solved from its
-  tokens per iteration, weighted by its iterations."""
+  """The paper's acceptance over the speculative chains' runs: their accepted draft tokens over
+  accepted and rejected."""
   spec = [r for r in runs if not isinstance(r.gamma, tuple) and r.gamma > 0]
   if not spec:
     raise ValueError('pooled_alpha needs a speculative run.')
-  weights = np.array([r.iterations for r in spec], float)
-  alphas = np.array([effective_alpha(r.tokens_per_iteration, r.gamma) for r in spec])
-  return float(np.sum(weights * alphas) / max(weights.sum(), 1.0))
+  return row_alpha(sum(r.accepted for r in spec), sum(r.rejected for r in spec))
 
 
-def chain_alpha(choice: Choice, tokens_per_iteration: float,
+def chain_alpha(choice: Choice, accepted: float, rejected: float,
                 lifts: Mapping[Tuple[int, ...], float]) -> float:
-  """The chains' effective acceptance that a run of `choice` counted: solved at its depth, less
-  a tree's lift."""
+  """The chains' acceptance that a batch of `choice` counted: its own less a tree's lift."""
   lift = lifts.get(choice, 0.0) if isinstance(choice, tuple) else 0.0
-  return effective_alpha(tokens_per_iteration, depth(choice)) - lift
+  return row_alpha(accepted, rejected) - lift
 
 
 def tree_lifts(runs: Sequence[LoopRun], alpha: float) -> Dict[Tuple[int, ...], float]:
-  """{tree: its effective acceptance (solved at its depth from its run's tokens per iteration)
-  above the chains' `alpha`}: what a tree's extra children keep, for `StepCosts.lifts`."""
-  return {r.gamma: effective_alpha(r.tokens_per_iteration, depth(r.gamma)) - alpha
+  """{tree: its acceptance above the chains' `alpha`}, what a tree's extra children keep, for
+  `StepCosts.lifts`: the paper's acceptance its run counted, or where a run counts none (beam
+  search, whose tokens per iteration are beam steps per call) the effective one solved at its
+  depth."""
+  return {r.gamma: (r.alpha if r.accepted + r.rejected else
+                    effective_alpha(r.tokens_per_iteration, depth(r.gamma))) - alpha
           for r in runs if isinstance(r.gamma, tuple) and r.gamma}
+
+
+def fit_spread(costs: StepCosts, runs: Sequence[LoopRun], alpha: float) -> float:
+  """`StepCosts.spread`: the speculative runs' loop iterations over what `batch_iterations`
+  predicts for their batches at `alpha` (1 without rows' lengths)."""
+  spec = [r for r in runs if branching(r.gamma) and r.lengths]
+  if not spec:
+    return 1.0
+  predicted = sum(float(np.sum(batch_iterations(r.lengths, costs.acceptance(r.gamma, alpha),
+                                                depth(r.gamma)))) for r in spec)
+  return sum(r.iterations for r in spec) / predicted
 
 
 Schedule = Mapping[int, Choice]  # batch size -> gamma or token tree

@@ -174,14 +174,19 @@ def relative_medians(times: Mapping[Hashable, Sequence[float]], base: Hashable
   return {key: float(np.median(np.asarray(t) / base_times)) for key, t in times.items()}
 
 
-def output_positions(decodes: Any) -> int:
-  """The longest output of a batch (non-padding tokens; decodes [batch, (beams,) length]): a
-  batch's loop runs until its longest row is done, so time per position compares batches of
-  different lengths."""
+def row_positions(decodes: Any) -> np.ndarray:
+  """Each row's output positions (non-padding tokens; decodes [batch, (beams,) length]) as
+  [batch, (beams,)], this process's rows of a multi-host batch (its measured time is for its
+  part too)."""
   if isinstance(decodes, jax.Array) and not decodes.is_fully_addressable:
-    # A multi-host batch: this process's rows (its measured time is for its part too).
     decodes = np.concatenate([np.asarray(s.data) for s in decodes.addressable_shards])
-  return max(1, int(np.max(np.count_nonzero(np.asarray(decodes), axis=-1), initial=0)))
+  return np.count_nonzero(np.asarray(decodes), axis=-1)
+
+
+def output_positions(decodes: Any) -> int:
+  """The longest output of a batch (`row_positions`): a batch's loop runs until its longest
+  row is done, so time per position compares batches of different lengths."""
+  return max(1, int(np.max(row_positions(decodes), initial=0)))
 
 
 @dataclasses.dataclass
@@ -226,7 +231,8 @@ class DecodingPolicy:
     which the infer job records it per example.
   clock: injectable for tests.
   model: the batch size's `costs.StepCosts` (speculative-t5x-calibrate's) for gamma choices:
-    the job's batches count their acceptance (`observe`'s stats); the choice the model then
+    the job's batches count their acceptance (`observe`'s stats) and their rows' output
+    positions, from which it predicts each choice's time; the choice the model then
     predicts fastest neighbours the running one (tried next if it has not run yet), choices it
     predicts much slower are not explored early in the job (MODEL_SLACK), and timing decides
     between the rest.
@@ -258,8 +264,10 @@ class DecodingPolicy:
     self.model = model
     self.prior_alpha = prior_alpha
     self.model_error = model_error
-    # (gamma, loop iterations, output positions) of the last `window` speculative batches.
-    self.counts: Deque[Tuple[int, int, int]] = collections.deque(maxlen=window)
+    # (choice, accepted, rejected draft tokens) of the last `window` speculative batches, and
+    # the rows' output positions of the last `window` batches.
+    self.counts: Deque[Tuple[Any, int, int]] = collections.deque(maxlen=window)
+    self.lengths: Deque[np.ndarray] = collections.deque(maxlen=window)
     self.records = {c: _Record(window, interval=explore_every) for c in self.choices}
     self.current = self.fallback  # the running choice
     self.batches = 0
@@ -269,6 +277,7 @@ class DecodingPolicy:
     self._advantages: Dict[Any, Tuple[float, float]] = {}  # of this batch: each is read often
     self._ours: Optional[np.ndarray] = None  # the running choice's history as an array
     self._alpha: Optional[Tuple[Optional[float]]] = None  # of this batch: read per neighbour
+    self._predictions: Dict[Any, float] = {}  # of this batch, likewise
 
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
@@ -286,24 +295,23 @@ class DecodingPolicy:
     return self.current
 
   def alpha(self) -> Optional[float]:
-    """The effective acceptance of the job's recent speculative batches (`costs.
-    effective_alpha` of each gamma's tokens per loop iteration, weighted by iterations); before
-    any, the calibration's (`prior_alpha`; None without a model). Computed once per observed
-    batch (each gamma's inverse is a bisection, and the policy reads it per neighbour)."""
+    """The chains' acceptance in the job's recent speculative batches (the paper's: accepted
+    over accepted and rejected draft tokens, a tree's lift taken off); before any, the
+    calibration's (`prior_alpha`; None without a model). Computed once per observed batch."""
     if self._alpha is None:
       self._alpha = (self._counted_alpha(),)
     return self._alpha[0]
 
   def _counted_alpha(self) -> Optional[float]:
-    by_gamma: Dict[int, List[int]] = collections.defaultdict(lambda: [0, 0])
-    for gamma, iterations, positions in self.counts:
-      by_gamma[gamma][0] += iterations
-      by_gamma[gamma][1] += positions
-    if not by_gamma:
+    by_choice: Dict[Any, List[int]] = collections.defaultdict(lambda: [0, 0])
+    for choice, accepted, rejected in self.counts:
+      by_choice[choice][0] += accepted
+      by_choice[choice][1] += rejected
+    weights = [sum(counted) for counted in by_choice.values()]
+    if not sum(weights):
       return self.prior_alpha if self.model is not None else None
-    weights = [it for it, _ in by_gamma.values()]
-    alphas = [costs.chain_alpha(g, pos / max(it, 1), self.model.lifts)
-              for g, (it, pos) in by_gamma.items()]
+    alphas = [costs.chain_alpha(c, accepted, rejected, self.model.lifts)
+              for c, (accepted, rejected) in by_choice.items()]
     return float(np.average(alphas, weights=weights))
 
   def predicted(self) -> Optional[Any]:
@@ -312,7 +320,8 @@ class DecodingPolicy:
     alpha = self.alpha()
     if self.model is None or alpha is None:
       return None
-    return self.model.best(alpha, [c for c in self.choices if self.model.prices(c)])
+    return self.model.best(alpha, [c for c in self.choices if self.model.prices(c)],
+                           self._lengths())
 
   def _neighbours(self) -> List[Any]:
     """The choices one step more and less speculative than the running one, and the next one
@@ -321,7 +330,8 @@ class DecodingPolicy:
     A modelled choice's: the model's best of the line."""
     out: List[Any] = []
     if self.current not in self.line:
-      out.append(self.model.best(self.alpha(), [c for c in self.line if self.model.prices(c)]))
+      out.append(self.model.best(self.alpha(), [c for c in self.line if self.model.prices(c)],
+                                 self._lengths()))
     else:
       i, line = self.line.index(self.current), self.line
       for step in (-1, 1):
@@ -461,13 +471,17 @@ class DecodingPolicy:
       choice = self.choices[int(index)]
     return choice
 
-  def _positions(self) -> float:
-    """Output positions per speculative batch (0 before any: the encoders' share left out)."""
-    return float(np.mean([p for _, _, p in self.counts])) if self.counts else 0.0
+  def _lengths(self) -> Optional[np.ndarray]:
+    """The recent batches' rows' output positions [batches, rows] (None before any)."""
+    return np.stack(self.lengths) if self.lengths else None
 
   def _predicted_ms(self, choice: Any) -> float:
-    """The model's ms per output position of `choice` at the job's acceptance and batch length."""
-    return self.model.ms_per_position(choice, self.alpha(), self._positions())
+    """The model's ms per output position of `choice` at the job's acceptance, for its recent
+    batches' rows; computed once per observed batch."""
+    if choice not in self._predictions:
+      self._predictions[choice] = self.model.ms_per_position(choice, self.alpha(),
+                                                             lengths=self._lengths())
+    return self._predictions[choice]
 
   def _ruled_out(self, choice: Any) -> bool:
     """Whether the model, early in the job, predicts `choice` slower than the running choice
@@ -483,13 +497,15 @@ class DecodingPolicy:
     """Records a decoded batch: its choice, wall seconds, decodes [batch, (beams,) length] and
     (for the model's acceptance) the decoder's per-row stats, `target_calls` [batch]."""
     record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
-    if (self.model is not None and self.setting == 'gamma' and choice and stats and
-        'target_calls' in stats):
-      self.counts.append((choice, _most(stats['target_calls']), positions))
+    if self.model is not None and self.setting == 'gamma':
+      self.lengths.append(row_positions(decodes))
+      if choice and stats and 'accepted' in stats and 'rollbacks' in stats:
+        self.counts.append((choice, _total(stats['accepted']), _total(stats['rollbacks'])))
     if choice not in (self.current, self.choices[0]) and self.records[self.current].count:
       self.excess_ms += ms - self.records[self.current].cost * positions
     record.add(self.batches, ms, positions)
     self._sigma_cache, self._advantages, self._ours, self._alpha = None, {}, None, None
+    self._predictions = {}
     record.batches += 1
     record.last = self.batches
     self.batches += 1
@@ -576,19 +592,17 @@ class DecodingPolicy:
     alpha = self.alpha()
     if self.model is None or alpha is None:
       return {}
-    positions = self._positions()
     return {'model': {'alpha': round(alpha, 4), 'predicted_best': _json(self.predicted()),
                       'predicted_ms_per_position': {
-                          costs.choice_name(c): round(
-                              self.model.ms_per_position(c, alpha, positions), 4)
+                          costs.choice_name(c): round(self._predicted_ms(c), 4)
                           for c in self.choices if self.model.prices(c)}}}
 
 
-def _most(values: Any) -> int:
-  """The largest entry of a (possibly multi-host) per-row array: a batch's loop iterations."""
+def _total(values: Any) -> int:
+  """The sum of a (possibly multi-host: this process's rows) per-row count."""
   if isinstance(values, jax.Array) and not values.is_fully_addressable:
     values = np.concatenate([np.asarray(s.data) for s in values.addressable_shards])
-  return int(np.max(np.asarray(values)))
+  return int(np.sum(np.asarray(values)))
 
 
 def _json(choice: Any) -> Any:

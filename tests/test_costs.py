@@ -73,15 +73,26 @@ def test_picks_a_larger_gamma_when_alpha_rises():
   assert picks[0] == 0 and picks[-1] == m.max_gamma
 
 
-def synthetic_runs(truth: costs.StepCosts, alpha: float, gammas, batches: int = 6,
-                   positions: int = 120):
-  """LoopRuns exactly as `truth` would time them at acceptance `alpha`."""
+# Two batches' rows' output positions (a padding row: 0).
+LENGTHS = ((20, 15, 9, 12), (7, 30, 11, 0))
+
+
+def synthetic_runs(truth: costs.StepCosts, alpha: float, gammas, repeats: int = 3,
+                   spread: float = 1.0):
+  """LoopRuns exactly as `truth` would time them at acceptance `alpha`: `repeats` times the
+  batches of LENGTHS, their loop iterations as `costs.batch_iterations` predicts (times
+  `spread`), their draft tokens accepted at alpha."""
+  lengths = LENGTHS * repeats
+  positions = sum(max(batch) for batch in lengths)
   runs = []
   for g in gammas:
-    iterations = positions if g == 0 else int(round(positions / costs.expected_tokens(alpha, g)))
-    ms = batches * truth.batch_ms + iterations * truth.iteration_ms(g)
-    runs.append(costs.LoopRun(g, batches=batches, ms=ms, iterations=iterations,
-                              positions=positions))
+    iterations = positions if g == 0 else int(round(
+        spread * np.sum(costs.batch_iterations(lengths, alpha, g))))
+    ms = len(lengths) * truth.batch_ms + iterations * truth.iteration_ms(g)
+    events = 1000 if g else 0
+    runs.append(costs.LoopRun(g, batches=len(lengths), ms=ms, iterations=iterations,
+                              positions=positions, accepted=round(alpha * events),
+                              rejected=round((1 - alpha) * events), lengths=lengths))
   return runs
 
 
@@ -99,6 +110,30 @@ def test_fit_recovers_the_overheads_and_predicts_the_other_gammas():
   assert max(abs(e) for e in errors.values()) < 0.02, errors
   with pytest.raises(ValueError, match='gamma 0'):
     costs.fit(truth, synthetic_runs(truth, 0.8, (1, 2)))
+
+
+def test_a_batch_runs_until_its_slowest_row_is_done():
+  # One row: the expected iterations to emit its positions, each emitting 1 + a run of
+  # acceptances; at acceptance 0 one position each, at 1 gamma + 1 (the last one cut short).
+  assert costs.batch_iterations([[12]], 0.0, 3)[0] == pytest.approx(12)
+  assert costs.batch_iterations([[12]], 1.0, 3)[0] == pytest.approx(3)
+  one = costs.batch_iterations([[40]], 0.8, 4)[0]
+  assert one == pytest.approx(40 / costs.expected_tokens(0.8, 4), rel=0.1)
+  # A batch takes its slowest row's iterations, more than its longest row alone would.
+  batch = costs.batch_iterations([[40, 38, 35, 30]], 0.8, 4)[0]
+  assert one < batch < costs.batch_iterations([[40]], 0.75, 4)[0]
+  # The per-batch model prices a batch by its rows: fewer tokens per iteration than the
+  # paper's formula (the last iteration is cut short, and the rows race).
+  m = model()
+  assert m.tokens(4, 0.8, LENGTHS) < m.tokens(4, 0.8) and m.tokens(0, 0.8, LENGTHS) == 1.0
+  # The spread: measured loop iterations over the model's, fitted from the runs' counts.
+  runs = synthetic_runs(m, 0.8, (0, 1, 4), spread=1.1)
+  spread = costs.fit_spread(m, runs, 0.8)
+  assert spread == pytest.approx(1.1, rel=0.02)
+  fitted = dataclasses.replace(costs.fit(m, runs), spread=spread)
+  errors = [c['error'] for c in costs.check(fitted, synthetic_runs(m, 0.8, range(5), spread=1.1),
+                                            0.8).values()]
+  assert max(abs(e) for e in errors) < 0.02, errors
 
 
 def test_step_costs_round_trip_through_json():
@@ -123,14 +158,19 @@ def test_a_tree_is_priced_by_its_call_shape_and_its_acceptance_lift():
   m = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, lifts={(3, 1): 0.1})
   assert m.max_gamma == 8 and m.prices((3, 1)) and not m.prices((2, 1, 1, 1))  # no lift
   assert not model().prices((3, 1)) and model().max_gamma == 4
-  assert m.iteration_ms((3, 1)) == pytest.approx(0.1 + 0.1 + 1.07 + 0.3 + 2 * 0.05)
+  # The overhead per draft token is paid for each of its 3 + 3 proposed nodes.
+  assert [costs.proposed(c) for c in (0, 3, (3, 1), (2, 1, 1, 1))] == [0, 3, 6, 8]
+  assert m.iteration_ms((3, 1)) == pytest.approx(0.1 + 0.1 + 1.07 + 0.3 + 6 * 0.05)
   assert m.tokens((3, 1), 0.7) == pytest.approx(costs.expected_tokens(0.8, 2))
   assert m.tokens(2, 0.7) == pytest.approx(costs.expected_tokens(0.7, 2))
   # The lift is what a tree's run counted above the chains' acceptance, and counting a tree's
   # batch gives the chains' acceptance back.
-  runs = [costs.LoopRun((3, 1), 1, 10.0, 100, round(100 * costs.expected_tokens(0.8, 2)))]
-  assert costs.tree_lifts(runs, 0.7)[(3, 1)] == pytest.approx(0.1, abs=0.01)
-  assert costs.chain_alpha((3, 1), costs.expected_tokens(0.8, 2), m.lifts) == pytest.approx(0.7)
+  runs = [costs.LoopRun((3, 1), 1, 10.0, 100, 200, accepted=80, rejected=20)]
+  assert costs.tree_lifts(runs, 0.7)[(3, 1)] == pytest.approx(0.1)
+  assert costs.chain_alpha((3, 1), 80, 20, m.lifts) == pytest.approx(0.7)
+  # A run without counted acceptance (beam search): its effective one, from tokens per call.
+  beams = [costs.LoopRun((3, 1), 1, 10.0, 100, round(100 * costs.expected_tokens(0.8, 2)))]
+  assert costs.tree_lifts(beams, 0.7)[(3, 1)] == pytest.approx(0.1, abs=0.01)
 
 
 def tree_job(machine: costs.StepCosts, alpha: float, batches: int):
@@ -142,8 +182,8 @@ def tree_job(machine: costs.StepCosts, alpha: float, batches: int):
 
 
 def test_the_policy_runs_a_tree_only_where_the_model_predicts_it_fastest():
-  flat = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, lifts={(3, 1): 0.02,
-                                                                         (2, 1, 1, 1): 0.06})
+  flat = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, overhead_per_token_ms=0.01,
+               lifts={(3, 1): 0.02, (2, 1, 1, 1): 0.06})
   assert flat.best(0.8) == (2, 1, 1, 1)  # more kept per call at the same cost
   decoding_policy, decoders, chosen = tree_job(flat, 0.8, 40)
   assert set(decoders) == {0, 1, 2, 3, 4, (3, 1), (2, 1, 1, 1)}
@@ -238,21 +278,24 @@ def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
 
 
 def run_job(decoding_policy, alphas, positions=12, machine=None):
-  """Drives a policy over batches whose acceptance is alphas[i] for batch i, each batch's
-  counts and time as `machine` (default: the policy's model) has them; returns the choices, in
-  order."""
+  """Drives a policy over one-row batches of `positions` output positions whose acceptance is
+  alphas[i] for batch i (a tree's: with its lift), each batch's counts and time as `machine`
+  (default: the policy's model) has them; returns the choices, in order."""
   chosen = []
   for alpha in alphas:
-    gamma = decoding_policy.choose()
+    choice = decoding_policy.choose()
     truth = machine or decoding_policy.model
-    iterations = positions if gamma == 0 else max(
-        1, int(round(positions / truth.tokens(gamma, alpha))))
-    ms = truth.ms_per_position(gamma, alpha, positions) * positions
+    if decoding_policy.setting == 'gamma':  # timed by its rows (beam search: by its steps)
+      ms = truth.ms_per_position(choice, alpha, lengths=[[positions]]) * positions
+    else:
+      ms = truth.ms_per_position(choice, alpha, positions) * positions
     decodes = np.zeros((1, max(32, positions)), np.int32)
     decodes[0, :positions] = 5
-    stats = None if gamma == 0 else {'target_calls': np.array([iterations])}
-    decoding_policy.observe(gamma, ms / 1e3, decodes, stats)
-    chosen.append(gamma)
+    accepted = truth.acceptance(choice, alpha)
+    stats = None if choice in (0, ()) else {'accepted': np.array([round(100 * accepted)]),
+                                            'rollbacks': np.array([round(100 - 100 * accepted)])}
+    decoding_policy.observe(choice, ms / 1e3, decodes, stats)
+    chosen.append(choice)
   return chosen
 
 
@@ -302,7 +345,7 @@ def test_a_calibration_serves_only_jobs_at_its_temperature():
 def test_a_short_job_does_not_explore_what_the_model_rules_out():
   kwargs = {'gamma': 'auto', 'temperature': 0.0}
   pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
-  at = lambda g: model().ms_per_position(g, 0.95, 12)
+  at = lambda g: model().ms_per_position(g, 0.95, lengths=[[12]])
   assert at(0) > (1 + policy.MODEL_SLACK) * at(4)  # the target alone: predicted much slower
   calibration = costs.Calibration({1: 4}, {1: model()})
   guided, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
@@ -320,7 +363,7 @@ def test_the_calibrations_acceptance_guides_a_job_that_starts_without_speculatio
   its own until one runs)."""
   kwargs = {'gamma': 'auto', 'temperature': 1.0}
   pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
-  at = lambda g: model().ms_per_position(g, 0.2)
+  at = lambda g: model().ms_per_position(g, 0.2, lengths=[[12]])
   assert min(at(g) for g in (1, 2, 3, 4)) > (1 + policy.MODEL_SLACK) * at(0)
   calibration = costs.Calibration({1: 0}, {1: model()}, temperature=1.0, alphas={1: 0.2})
   guided, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
@@ -343,7 +386,8 @@ def beam_job(machine: costs.StepCosts, beams: int, batches: int, calibrated_beam
 def test_a_beam_calibration_starts_where_its_model_predicts_and_serves_only_its_beam_size():
   # Beam steps per call of the trees as lifts over an acceptance of 0 (calibrate_beams).
   lifts = {(1,): 0.35, (2,): 0.45, (4,): 0.55, (8,): 0.6}
-  flat = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, lifts=lifts)
+  flat = model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS, overhead_per_token_ms=0.0,
+               lifts=lifts)
   assert flat.prices(()) and flat.tokens((8,), 0.0) == pytest.approx(1.6)
   guided, chosen = beam_job(flat, beams=4, batches=12)
   assert guided.fallback == flat.best(0.0, policy.TREES) == (8,) and set(chosen) == {(8,)}
