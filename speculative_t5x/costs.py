@@ -11,19 +11,26 @@ loop at one batch size costs
 where target(k) / draft(k) are one cached step appending k tokens per row, measured in
 isolation (`calibrate.step_costs`; a draft phase's first call feeds 2 tokens), as are the
 encoders a batch runs once; the overheads are what a real loop's iteration costs beyond its
-steps (sampling, acceptance, cache bookkeeping, dispatch), fitted from a few real loops (`fit`). An iteration emits on average
-(1 - a^(gamma + 1)) / (1 - a) tokens per row, a the acceptance; a batch's loop runs until its
-longest row is done, so the acceptance that predicts a batch is an effective one, solved from
-the batch's own count (`effective_alpha`: output positions / loop iterations) -- it absorbs the
-spread of the rows. Time per output position is iteration ms over tokens per iteration, plus
-what a batch costs once (the encoders, the dispatch) over its positions.
+steps (sampling, acceptance, cache bookkeeping, dispatch), fitted from a few real loops (`fit`).
+
+An iteration emits per row 1 + a run of accepted draft tokens, each accepted at a, the paper's
+acceptance (accepted / (accepted + rejected) draft tokens, which the decoders count exactly:
+`row_alpha`), (1 - a^(gamma + 1)) / (1 - a) tokens on average. A batch's loop runs until its
+slowest row is done: `batch_iterations` is the expected most of its rows' iterations, from
+their output positions (a row's last iteration is cut short by its end, and 32 rows racing
+take more iterations than one), times a `spread` fitted to the calibration's loops (rows do
+not all accept alike). Time per output position is a batch's iterations times iteration ms,
+plus what it costs once (the encoders), over its longest row's positions. Without rows (beam
+search, whose tokens per iteration are beam steps per call) the per-row formula serves, at an
+effective acceptance solved from tokens per iteration (`effective_alpha`).
 
 A draft token tree (`trees.tree_speculative_sample`, branching b0, b1, ...) is priced the same
 way from its call shape (`call_shape`: one draft call per level, the first feeding 2 tokens and
 level d its b0...b(d-1) nodes; one target call over all 1 + b0 + b0 b1 + ... nodes), the
 overhead per draft token paid for each of its b0 + b0 b1 + ... proposed nodes (`proposed`:
-each is sampled, drawn from and walked as a chain's token is), and an acceptance lift: its effective acceptance (solved at its depth) above the chains', measured by a
-calibration that runs it (`tree_lifts`). A gamma is the chain (1,) * gamma.
+each is sampled, drawn from and walked as a chain's token is), and an acceptance lift: its
+acceptance above the chains', counted by a calibration that runs it (`tree_lifts`). A gamma is
+the chain (1,) * gamma.
 
 Counting is exact where timing is noisy: a policy that knows the step costs follows a change
 of acceptance from one batch's counts, where telling two gammas 4% apart by their batch times
@@ -36,7 +43,8 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import numpy as np
 
@@ -59,6 +67,7 @@ def depth(choice: Choice) -> int:
   return len(branching(choice))
 
 
+@functools.lru_cache(maxsize=None)  # the policy prices its few choices many times a batch
 def call_shape(choice: Choice) -> Tuple[Tuple[int, ...], int]:
   """(tokens per row of each draft call, of the target's call) in one loop iteration: the first
   draft call feeds 2 tokens (the token before the root, which the cache lacks after a path
@@ -140,16 +149,21 @@ def batch_iterations(lengths: Any, alpha: float, depth: int) -> np.ndarray:
   (a batch's loop runs until its slowest row is done). Exact under that model, linear in
   alpha between tables at steps of 0.01 (computed once each)."""
   lengths = np.atleast_2d(np.asarray(lengths, int))
-  top = int(2 ** np.ceil(np.log2(max(int(lengths.max()), 16))))  # a few table sizes
+  top = max(16, 1 << (int(lengths.max()) - 1).bit_length())  # a few table sizes
   grid = min(max(alpha, 0.0), 1.0) * 100
   low = min(int(grid), 99)
 
   def expected(a: float) -> np.ndarray:
     done = _done_within(round(a, 2), depth, top)[:, lengths]  # [n, batches, rows]
-    return np.sum(1.0 - np.prod(done, axis=-1), axis=0)
+    return (1.0 - done.prod(axis=-1)).sum(axis=0)
 
   weight = grid - low
   return (1 - weight) * expected(low / 100) + weight * expected((low + 1) / 100)
+
+
+def cheapest(choices: Iterable[Choice], price: Callable[[Choice], float]) -> Choice:
+  """The choice of the lowest price (ties: the shallower, then the smaller tree)."""
+  return min(choices, key=lambda c: (price(c), depth(c), call_shape(c)[1]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +240,8 @@ class StepCosts:
     if lengths is None:
       return expected_tokens(self.acceptance(choice, alpha), depth(choice))
     lengths = np.atleast_2d(lengths)
-    return float(np.sum(np.max(lengths, axis=1)) / (self.spread * np.sum(batch_iterations(
-        lengths, self.acceptance(choice, alpha), depth(choice)))))
+    return float(lengths.max(axis=1).sum() / (self.spread * batch_iterations(
+        lengths, self.acceptance(choice, alpha), depth(choice)).sum()))
 
   def ms_per_position(self, choice: Choice, alpha: float, positions: float = 0.0,
                       lengths: Optional[Any] = None) -> float:
@@ -236,7 +250,7 @@ class StepCosts:
     more batches, [batches, rows]) over those batches, alpha then the paper's (`row_alpha`),
     else an effective one (`effective_alpha`)."""
     if lengths is not None:
-      positions = float(np.mean(np.max(np.atleast_2d(lengths), axis=1)))
+      positions = float(np.atleast_2d(lengths).max(axis=1).mean())
     once = self.batch_ms / positions if positions else 0.0
     return self.iteration_ms(choice) / self.tokens(choice, alpha, lengths) + once
 
@@ -244,9 +258,8 @@ class StepCosts:
            lengths: Optional[Any] = None) -> Choice:
     """The choice with the lowest predicted ms per position (ties: the shallower, then the
     smaller tree); by default every gamma and tree the model prices."""
-    choices = self.choices() if choices is None else choices
-    return min(choices, key=lambda c: (self.ms_per_position(c, alpha, lengths=lengths),
-                                       depth(c), call_shape(c)[1]))
+    return cheapest(self.choices() if choices is None else choices,
+                    lambda c: self.ms_per_position(c, alpha, lengths=lengths))
 
   def to_json(self) -> Dict[str, Any]:
     out = dataclasses.asdict(self)

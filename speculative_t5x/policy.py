@@ -320,8 +320,8 @@ class DecodingPolicy:
     alpha = self.alpha()
     if self.model is None or alpha is None:
       return None
-    return self.model.best(alpha, [c for c in self.choices if self.model.prices(c)],
-                           self._lengths())
+    return costs.cheapest([c for c in self.choices if self.model.prices(c)],
+                          self._predicted_ms)
 
   def _neighbours(self) -> List[Any]:
     """The choices one step more and less speculative than the running one, and the next one
@@ -330,8 +330,8 @@ class DecodingPolicy:
     A modelled choice's: the model's best of the line."""
     out: List[Any] = []
     if self.current not in self.line:
-      out.append(self.model.best(self.alpha(), [c for c in self.line if self.model.prices(c)],
-                                 self._lengths()))
+      out.append(costs.cheapest([c for c in self.line if self.model.prices(c)],
+                                self._predicted_ms))
     else:
       i, line = self.line.index(self.current), self.line
       for step in (-1, 1):
