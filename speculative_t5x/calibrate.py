@@ -316,7 +316,9 @@ def markdown(results: Mapping[str, Any]) -> str:
            'loop, timed in the same rounds); tokens per loop iteration and the paper\'s alpha '
            '(accepted / (accepted + rejected) draft tokens) as counted. Alpha is the chains\' '
            'over the fit gammas; a batch\'s loop runs until its slowest row is done, predicted '
-           'from its rows\' output positions, times the spread.', '']
+           'from its rows\' output positions, times the spread: "predicted" is for all the '
+           'runs\' batches (the schedule\'s pick), "predicted for its run" for that run\'s own '
+           '(sampled outputs differ in length), which the error compares.', '']
   if results.get('beam_size'):
     lines += [f"Beam search of {results['beam_size']} beams: per beam step (beam search takes "
               'more steps than its best output has tokens), tokens per iteration are beam steps '
@@ -328,12 +330,13 @@ def markdown(results: Mapping[str, Any]) -> str:
               f"{c.get('spread', 1.0):.3f}, best "
               f"{block['best']}, best choice {block.get('best_choice', block['best'])}, fitted "
               f"on {block.get('fit_gammas')}", '',
-              '| gamma / tree | predicted | measured | error | tokens/iteration | alpha |',
-              '|---|---|---|---|---|---|']
+              '| gamma / tree | predicted | predicted for its run | measured | error | '
+              'tokens/iteration | alpha |', '|---|---|---|---|---|---|---|']
     for g, predicted in block['predicted_ms_per_position'].items():
       row, run = check.get(str(g), {}), runs.get(str(g))
       counted = (run or {}).get('accepted', 0) + (run or {}).get('rejected', 0)
-      lines.append(f"| {g} | {predicted:.3f} | {row.get('measured', float('nan')):.3f} | "
+      lines.append(f"| {g} | {predicted:.3f} | {row.get('predicted', float('nan')):.3f} | "
+                   f"{row.get('measured', float('nan')):.3f} | "
                    f"{row.get('error', float('nan')):+.1%} | " +
                    (f"{run['positions'] / max(run['iterations'], 1):.2f} |" if run else ' |') +
                    (f" {run['accepted'] / counted:.3f} |" if counted else ' |'))

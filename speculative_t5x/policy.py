@@ -473,7 +473,10 @@ class DecodingPolicy:
 
   def _lengths(self) -> Optional[np.ndarray]:
     """The recent batches' rows' output positions [batches, rows] (None before any)."""
-    return np.stack(self.lengths) if self.lengths else None
+    if not self.lengths:
+      return None
+    rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
+    return np.stack([np.pad(batch, (0, rows - len(batch))) for batch in self.lengths])
 
   def _predicted_ms(self, choice: Any) -> float:
     """The model's ms per output position of `choice` at the job's acceptance, for its recent
@@ -495,10 +498,11 @@ class DecodingPolicy:
   def observe(self, choice: Any, seconds: float, decodes: Any,
               stats: Optional[Mapping[str, Any]] = None) -> None:
     """Records a decoded batch: its choice, wall seconds, decodes [batch, (beams,) length] and
-    (for the model's acceptance) the decoder's per-row stats, `target_calls` [batch]."""
+    (for the model's acceptance) the decoder's per-row stats, `accepted` and `rollbacks`
+    [batch]."""
     record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
     if self.model is not None and self.setting == 'gamma':
-      self.lengths.append(row_positions(decodes))
+      self.lengths.append(row_positions(decodes).reshape(-1))  # (each of num_decodes a row)
       if choice and stats and 'accepted' in stats and 'rollbacks' in stats:
         self.counts.append((choice, _total(stats['accepted']), _total(stats['rollbacks'])))
     if choice not in (self.current, self.choices[0]) and self.records[self.current].count:

@@ -437,3 +437,16 @@ def test_a_checked_model_keeps_a_noisy_job_off_what_it_prices_slower():
   # Each tree is tried once after MODEL_TRUST batches either way.
   assert max(with_prior) <= len(policy.TREES) - 1 < max(timed_alone), (with_prior, timed_alone)
   assert sum(timed_alone) > 3 * sum(with_prior), (with_prior, timed_alone)
+
+
+def test_the_policy_prices_batches_of_any_shape():
+  """A short last batch and several decodes per example (each a row of the loop) mix in the
+  policy's recent rows; the counted acceptance is the paper's."""
+  decoding_policy = policy.DecodingPolicy(range(5), 'gamma', 2, model=model(), prior_alpha=0.5)
+  for shape in ((4, 10), (3, 10), (2, 2, 10)):
+    rows = shape[0]
+    decoding_policy.observe(2, 0.01, np.ones(shape, np.int32),
+                            {'accepted': np.full(rows, 8), 'rollbacks': np.full(rows, 2)})
+  assert decoding_policy.alpha() == pytest.approx(0.8)
+  assert decoding_policy._lengths().shape == (3, 4)  # pylint: disable=protected-access
+  assert decoding_policy.predicted() in decoding_policy.choices
