@@ -126,9 +126,14 @@ IN_FLIGHT = 2
 # MODEL_SLACK (its error on gammas it was not fitted to was at most 5% here) is not explored
 # before the job's MODEL_TRUST-th batch: a short job does not pay to check what the model already
 # answers (at batch 32 a 192-sentence job is 6 batches, and one batch of the target alone cost it
-# 7%), and a long one still finds out when the model no longer holds.
+# 7%), and a long one still finds out when the model no longer holds. A checked model
+# (`DecodingPolicy.model_error`) keeps ruling out, for the whole job, what it predicts slower by
+# more than MODEL_SLACK plus CHECKED_MARGIN times its error: at batch 1 T=1 the target alone,
+# predicted 62% slower than gamma 3, otherwise took 4 batches of each 192-batch job after its
+# 64th, each twice as slow as the running choice's (2% of the job).
 MODEL_SLACK = 0.08
 MODEL_TRUST = 64
+CHECKED_MARGIN = 3
 # The narrowest prior a checked model gives a timed comparison (`DecodingPolicy.model_error`):
 # its check is one run of a few batches.
 MIN_MODEL_ERROR = 0.03
@@ -487,13 +492,17 @@ class DecodingPolicy:
     return self._predictions[choice]
 
   def _ruled_out(self, choice: Any) -> bool:
-    """Whether the model, early in the job, predicts `choice` slower than the running choice
-    by more than MODEL_SLACK (`MODEL_TRUST`)."""
+    """Whether the model predicts `choice` slower than the running choice by more than
+    MODEL_SLACK, early in the job (`MODEL_TRUST`), or, checked, by more than that and
+    CHECKED_MARGIN times its error."""
     alpha = self.alpha()
-    if (alpha is None or self.batches >= MODEL_TRUST or not self.model.prices(choice) or
-        not self.model.prices(self.current)):
+    if (alpha is None or not self.model.prices(choice) or not self.model.prices(self.current)
+        or (self.batches >= MODEL_TRUST and self.model_error is None)):
       return False  # (alpha is None without a model)
-    return self._predicted_ms(choice) > (1 + MODEL_SLACK) * self._predicted_ms(self.current)
+    slack = MODEL_SLACK
+    if self.batches >= MODEL_TRUST:
+      slack += CHECKED_MARGIN * max(self.model_error, MIN_MODEL_ERROR)
+    return self._predicted_ms(choice) > (1 + slack) * self._predicted_ms(self.current)
 
   def observe(self, choice: Any, seconds: float, decodes: Any,
               stats: Optional[Mapping[str, Any]] = None) -> None:

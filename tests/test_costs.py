@@ -355,6 +355,13 @@ def test_a_short_job_does_not_explore_what_the_model_rules_out():
   # exempt from the exploration budget).
   blind = policy.DecodingPolicy(range(5), 'gamma', 4)
   assert 0 in run_job(blind, [0.95] * policy.MODEL_TRUST, machine=model())
+  # A long job checks the model after MODEL_TRUST batches, unless its calibration checked it
+  # and it predicts the target alone slower by more than its error allows.
+  assert at(0) > (1 + policy.MODEL_SLACK + policy.CHECKED_MARGIN * 0.05) * at(4)
+  for error, explores in ((None, True), (0.05, False)):
+    checked = costs.Calibration({1: 4}, {1: model()}, errors={1: error} if error else {})
+    long_job, _ = policy.plan(pair, kwargs, calibration=checked, batch_size=1)
+    assert (0 in run_job(long_job, [0.95] * 3 * policy.MODEL_TRUST)) == explores, error
 
 
 def test_the_calibrations_acceptance_guides_a_job_that_starts_without_speculation():
