@@ -52,6 +52,7 @@ import numpy as np
 Choice = Union[int, Tuple[int, ...]]
 
 
+@functools.lru_cache(maxsize=None)  # (the policy asks it of its few choices many times a batch)
 def branching(choice: Choice) -> Tuple[int, ...]:
   """A choice's draft tree: gamma g is the chain (1,) * g (0: no draft), a tree its branching."""
   return tuple(int(b) for b in choice) if isinstance(choice, tuple) else (1,) * int(choice)
@@ -67,7 +68,7 @@ def depth(choice: Choice) -> int:
   return len(branching(choice))
 
 
-@functools.lru_cache(maxsize=None)  # the policy prices its few choices many times a batch
+@functools.lru_cache(maxsize=None)  # (likewise)
 def call_shape(choice: Choice) -> Tuple[Tuple[int, ...], int]:
   """(tokens per row of each draft call, of the target's call) in one loop iteration: the first
   draft call feeds 2 tokens (the token before the root, which the cache lacks after a path

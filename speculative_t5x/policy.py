@@ -283,6 +283,7 @@ class DecodingPolicy:
     self._ours: Optional[np.ndarray] = None  # the running choice's history as an array
     self._alpha: Optional[Tuple[Optional[float]]] = None  # of this batch: read per neighbour
     self._predictions: Dict[Any, float] = {}  # of this batch, likewise
+    self._rows: Optional[np.ndarray] = None  # of this batch, likewise
 
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
@@ -477,11 +478,14 @@ class DecodingPolicy:
     return choice
 
   def _lengths(self) -> Optional[np.ndarray]:
-    """The recent batches' rows' output positions [batches, rows] (None before any)."""
-    if not self.lengths:
-      return None
-    rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
-    return np.stack([np.pad(batch, (0, rows - len(batch))) for batch in self.lengths])
+    """The recent batches' rows' output positions [batches, rows] (None before any); computed
+    once per observed batch."""
+    if self._rows is None and self.lengths:
+      rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
+      self._rows = np.zeros((len(self.lengths), rows), int)
+      for i, batch in enumerate(self.lengths):
+        self._rows[i, :len(batch)] = batch
+    return self._rows
 
   def _predicted_ms(self, choice: Any) -> float:
     """The model's ms per output position of `choice` at the job's acceptance, for its recent
@@ -518,7 +522,7 @@ class DecodingPolicy:
       self.excess_ms += ms - self.records[self.current].cost * positions
     record.add(self.batches, ms, positions)
     self._sigma_cache, self._advantages, self._ours, self._alpha = None, {}, None, None
-    self._predictions = {}
+    self._predictions, self._rows = {}, None
     record.batches += 1
     record.last = self.batches
     self.batches += 1
