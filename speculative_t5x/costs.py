@@ -435,7 +435,7 @@ class Calibration:
   schedule: Dict[int, Choice]
   models: Dict[int, StepCosts]
   temperature: float = 0.0
-  alphas: Dict[int, float] = dataclasses.field(default_factory=dict)  # effective, per batch size
+  alphas: Dict[int, float] = dataclasses.field(default_factory=dict)  # the paper's, per batch size
   beam_size: int = 0  # 0: made for gamma (speculative_sample)
   # Per batch size, the model's largest |relative error| where its check timed every choice it
   # prices (`DecodingPolicy.model_error`).
