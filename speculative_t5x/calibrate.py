@@ -14,10 +14,11 @@ with them and reports the model's error on each (the other gammas are not used f
 Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
 The choice the model predicts fastest, a gamma or a tree, is the batch size's entry in the
-schedule (T5X's adapter runs either; a job under gamma 'auto' starts there). --beam_size N calibrates beam search of N beams instead: beam_search itself
-and the trees of `branching='auto'`, each one's real loop timed; the job starts from the one the
-model predicts fastest and does not explore early what it predicts much slower (no gamma
-schedule, no t5x_schedule.gin).
+schedule (T5X's adapter runs either; a job under gamma 'auto' starts there). --beam_size N
+calibrates beam search of N beams instead: beam_search itself and the trees of
+`branching='auto'`, each one's real loop timed; the job starts from the one the model predicts
+fastest and does not explore early what it predicts much slower (no gamma schedule, no
+t5x_schedule.gin).
 
 Writes to --output_dir:
   calibration.json   the figures: step costs, fitted overheads, acceptance, predicted (and with
@@ -375,7 +376,7 @@ def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]
            '']),
   }
   if beams:
-    del files['t5x_schedule.gin']  # T5X's adapter reads gamma schedules
+    del files['t5x_schedule.gin']  # T5X's adapter schedules speculative_sample, not beams
   for name, text in files.items():
     (output_dir / name).write_text(text)
   return [output_dir / name for name in files]

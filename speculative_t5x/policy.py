@@ -191,7 +191,11 @@ def row_positions(decodes: Any) -> np.ndarray:
 def output_positions(decodes: Any) -> int:
   """The longest output of a batch (`row_positions`): a batch's loop runs until its longest
   row is done, so time per position compares batches of different lengths."""
-  return max(1, int(np.max(row_positions(decodes), initial=0)))
+  return _longest(row_positions(decodes))
+
+
+def _longest(rows: np.ndarray) -> int:
+  return max(1, int(np.max(rows, initial=0)))
 
 
 @dataclasses.dataclass
@@ -513,9 +517,10 @@ class DecodingPolicy:
     """Records a decoded batch: its choice, wall seconds, decodes [batch, (beams,) length] and
     (for the model's acceptance) the decoder's per-row stats, `accepted` and `rollbacks`
     [batch]."""
-    record, positions, ms = self.records[choice], output_positions(decodes), 1e3 * seconds
+    rows = row_positions(decodes)  # (one copy to the host, for both uses)
+    record, positions, ms = self.records[choice], _longest(rows), 1e3 * seconds
     if self.model is not None and self.setting == 'gamma':
-      self.lengths.append(row_positions(decodes).reshape(-1))  # (each of num_decodes a row)
+      self.lengths.append(rows.reshape(-1))  # (each of num_decodes a row)
       if choice and stats and 'accepted' in stats and 'rollbacks' in stats:
         self.counts.append((choice, _total(stats['accepted']), _total(stats['rollbacks'])))
     if choice not in (self.current, self.choices[0]) and self.records[self.current].count:
