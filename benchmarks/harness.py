@@ -307,26 +307,38 @@ class Compiled:
   every batch once, `pieces` does too, in pieces that take turns with other passes'
   (`policy.round_robin`). Each pass is a job from scratch: under 'auto' a fresh policy, its
   search (calibration) timed with the job. decoding_policy: the last pass's; choices_used
-  counts every pass's choices (gamma under gamma='auto')."""
+  counts every pass's choices (gamma under gamma='auto').
+
+  keys: each pass's key per batch (`pass_keys`), pass p the (p mod len(keys))-th: a sampled
+  setting whose passes draw their own samples is timed over several draws; one list, every
+  pass draws the same. history: every pass's outputs, in order (the untimed one first)."""
   setting: Setting
   predictor: pipeline.Predictor
   decoding_policy: policy.DecodingPolicy
   batches: List[Batch]
-  rngs: List[jax.Array]
+  keys: List[List[jax.Array]]
   choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  history: List[Outputs] = dataclasses.field(default_factory=list)
+
+  @property
+  def rngs(self) -> List[jax.Array]:
+    """The first pass's key per batch (the infer job's and `Pipeline.decode`'s)."""
+    return self.keys[0]
 
   def pieces(self, batches_per_piece: int) -> Iterator[Outputs]:
     """Every batch once, as the infer job runs them (`DecodingPolicy.stream`: batches in
     flight; under 'auto' each chosen and timed by the policy), `batches_per_piece` at a time
     (the batches in flight land at the end of a piece; every choice was compiled ahead)."""
     self.decoding_policy = self.decoding_policy.fresh()
-    items = list(zip(self.batches, self.rngs))
+    items = list(zip(self.batches, self.keys[len(self.history) % len(self.keys)]))
+    self.history.append([])
     for start in range(0, len(items), batches_per_piece):
       outputs = []
       for _, choice, out in self.decoding_policy.stream(
           items[start:start + batches_per_piece], lambda c, item: self.predictor(c, *item)):
         self.choices_used[choice] += 1
         outputs.append(out)
+      self.history[-1].extend(outputs)
       yield outputs
 
   def one_pass(self) -> Outputs:
@@ -342,15 +354,26 @@ class Compiled:
     return out
 
 
+def pass_keys(seed: int, num_batches: int, passes: int = 1) -> List[List[jax.Array]]:
+  """[passes][num_batches] keys: pass 0's batch i draws from fold_in(PRNGKey(seed), i) (as the
+  infer job and `Pipeline.decode` do), pass p > 0's from that key folded with p. Made before
+  anything is timed: a key made inside a timed pass would be timed with it."""
+  first = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(num_batches)]
+  return [first] + [[jax.random.fold_in(key, p) for key in first] for p in range(1, passes)]
+
+
 def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch], *,
                     decode_overrides: Optional[Mapping[str, Any]] = None,
                     eos_id: Optional[int] = None, seed: int = 0,
-                    calibration: Optional[costs.Calibration] = None) -> Compiled:
+                    calibration: Optional[costs.Calibration] = None,
+                    sampled_passes: int = 1) -> Compiled:
   """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (under
   'auto' every choice `policy.plan` gives, chosen per batch as the infer job does).
   decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id: replaces the
   vocabulary's (-1: no row stops early); calibration: speculative-t5x-calibrate's, for the
-  batches' size (`policy.plan`: where 'auto' starts and the model it follows)."""
+  batches' size (`policy.plan`: where 'auto' starts and the model it follows);
+  sampled_passes: how many passes draw their own samples (`pass_keys`; later ones repeat
+  them in turn; 1: every pass draws the same)."""
   decode_fn, kwargs = setting.decoder()
   kwargs = {**kwargs, **(decode_overrides or {})}
   model = pair.model(decode_fn, kwargs)
@@ -363,11 +386,11 @@ def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch],
       num_decodes=max(setting.beam, 1))
   predictor = pipeline.Predictor(decoders, pair.params, partitioner(),
                                  num_decodes=max(setting.beam, 1))
-  rngs = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(len(batches))]
+  keys = pass_keys(seed, len(batches), sampled_passes)
   for choice in predictor.choices:
     for batch in batches:
-      predictor.compile(choice, batch, rngs[0])
-  return Compiled(setting, predictor, decoding_policy, batches, rngs)
+      predictor.compile(choice, batch, keys[0][0])
+  return Compiled(setting, predictor, decoding_policy, batches, keys)
 
 
 def warm(passes: Mapping[Hashable, Callable[[], Any]]) -> Dict[Hashable, Any]:
@@ -403,6 +426,51 @@ def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
   if per_batch and all('target_calls' in s for s in per_batch):
     # A batch's loop runs until its slowest row (padding rows included) is done.
     out['loop_iterations'] = int(sum(np.max(s['target_calls']) for s in per_batch))
+  return out
+
+
+def collect_passes(passes: Sequence[Outputs], num_sentences: int) -> Dict[str, Any]:
+  """`collect` over every pass of a setting (`Compiled.history`): the first pass's decodes; the
+  passes' stats pooled (their rows joined: the acceptance of every sample drawn, each row
+  once per pass); loop_iterations, the mean per pass; tokens_per_pass, each pass's tokens
+  written (EOS included: what a per-token speed counts)."""
+  runs = [collect(p, num_sentences) for p in passes]
+  out = {**runs[0], 'tokens_per_pass': [int(np.sum(r['decodes'] > 0)) for r in runs]}
+  keys = sorted({k for r in runs for k in r['stats']})
+  if keys:
+    width = max([np.shape(r['stats'][k])[1] for r in runs for k in r['stats']
+                 if np.ndim(r['stats'][k]) == 2] or [0])
+    out['stats'] = {k: np.concatenate([_row_field(r['stats'], k, num_sentences, width)
+                                       for r in runs]) for k in keys}
+  iterations = [r['loop_iterations'] for r in runs if 'loop_iterations' in r]
+  if iterations:
+    out['loop_iterations'] = float(np.mean(iterations))
+  return out
+
+
+def _row_field(stats: Mapping[str, np.ndarray], key: str, rows: int, width: int) -> np.ndarray:
+  """One pass's per-row field, zeros where the pass ran no decoder with statistics (the target
+  alone under 'auto'), a [rows, gamma] field padded to `width`."""
+  value = stats.get(key, np.zeros((rows, width) if key == 'accepted_at' else rows, np.int32))
+  if np.ndim(value) == 2:
+    value = np.pad(value, ((0, 0), (0, width - value.shape[1])))
+  return value
+
+
+def speedups_per_token(times: Mapping[Hashable, Sequence[float]],
+                       tokens: Mapping[Hashable, Sequence[int]], base: Hashable
+                       ) -> Dict[Hashable, Dict[str, float]]:
+  """Per key: its speedup over `base` per output token and that speedup's min and max over
+  rounds, each round counting the tokens its own passes wrote (`tokens`: each pass's, the
+  untimed first; sampled passes that draw their own samples write different counts). As
+  `speedups`: 1 / the median over rounds of the relative time per token."""
+  per_token = {k: np.asarray(t) / np.asarray(tokens[k][-len(t):]) for k, t in times.items()}
+  out = {}
+  for key, seconds in per_token.items():
+    ratios = per_token[base] / seconds
+    out[key] = {'speedup_per_token': 1.0 / float(np.median(1.0 / ratios)),
+                'speedup_per_token_min': float(ratios.min()),
+                'speedup_per_token_max': float(ratios.max())}
   return out
 
 
@@ -503,13 +571,14 @@ def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.nda
 
   run: `collect`'s decodes and stats plus the timing (ms_per_sentence, speedup, ...) and
   `Compiled.info()`; steps: {'target': {k: ms}, 'draft': {k: ms}} (`step_times_ms`).
-  speedup_per_token: the speedup over the baseline per output token (EOS included). Sampled
-  configurations draw their own outputs, whose lengths differ by a few % from the baseline's:
-  per token, that difference does not count as speed. ms_per_call: the pass's ms per loop
+  speedup_per_token: the speedup over the baseline per output token (EOS included), from the
+  run's own (`speedups_per_token`: each round's passes drew their own samples) or else from the
+  two settings' first passes. Sampled configurations draw their own outputs, whose lengths
+  differ by a few % from the baseline's: per token, that difference does not count as speed. ms_per_call: the pass's ms per loop
   iteration (one target call), from run['loop_iterations'].
   """
   row = _summary(setting, run, baseline_decodes, steps, c_hat, references, vocabulary)
-  if 'tokens_per_sentence' in row and 'speedup' in row:
+  if 'tokens_per_sentence' in row and 'speedup' in row and 'speedup_per_token' not in row:
     baseline_tokens = float(np.mean(np.sum(baseline_decodes > 0, axis=1)))
     row['speedup_per_token'] = row['speedup'] * row['tokens_per_sentence'] / baseline_tokens
   if run.get('loop_iterations') and 'ms_per_sentence' in row:
@@ -532,7 +601,8 @@ def _summary(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.ndar
     return {**row, **beam_row(setting, stats, steps)}
   if setting.method in ('baseline', 'beam') or not stats:
     # Tokens written, EOS included (it is a token > 0): what the loops' `emitted` counts.
-    row['tokens_per_sentence'] = float(np.mean(np.sum(run['decodes'] > 0, axis=1)))
+    row['tokens_per_sentence'] = float(np.mean(run.get('tokens_per_pass') or
+                                               [np.sum(run['decodes'] > 0)]) / len(run['decodes']))
     return row
   row.update(acceptance(stats))
   if setting.method == 'tree':

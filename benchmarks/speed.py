@@ -19,11 +19,15 @@ each beam:branching pair, and at batch 1 Hugging Face transformers' assisted gen
 same weights converted to T5ForConditionalGeneration (needs `pip install -e '.[hf]'`; skipped
 with a note otherwise). All configurations of a batch size, HF's included, are timed
 round-robin for --rounds rounds after one untimed pass each, taking turns every
---piece_batches batches (see benchmarks.harness).
+--piece_batches batches (see benchmarks.harness). Each pass of a sampled configuration draws its
+own samples (`harness.pass_keys`; --same_samples: every pass the first's): its speed is then an
+expectation over draws, where one draw decides a short job (at batch 32 a batch's loop runs
+until its longest row ends).
 
 Per configuration: median wall time per sentence (compilation excluded, reported as
 compile_s), speedup over the baseline of the same batch size and temperature (median over
-rounds of the per-round ratio, with its range), BLEU, whether greedy outputs equal the target
+rounds of the per-round ratio, with its range) and per output token (each round's tokens its
+own: sampled outputs' lengths differ), BLEU, whether greedy outputs equal the target
 alone's, alpha, accepted draft tokens and emitted tokens per target call, c = draft step /
 target step, the paper's predicted speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)),
 efficiency = measured / predicted, a step-cost prediction that charges the verify call its
@@ -107,6 +111,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
                  help="a calibration.json of speculative-t5x-calibrate: gamma='auto' rows at its "
                       "temperature start at its schedule and follow its model (made with "
                       "--beam_size: branching='auto' rows of that beam size start where it says)")
+  p.add_argument('--same_samples', action='store_true',
+                 help='every pass of a sampled configuration draws the untimed pass\'s samples '
+                      '(default: each pass its own)')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
@@ -213,13 +220,15 @@ def step_probes(pair: pipeline.Pair, batch_size: int, settings: Sequence[Setting
 
 
 def compile_all(pair: pipeline.Pair, settings: Sequence[Setting], batches: List[Any],
-                batch_size: int, calibration: Optional[costs.Calibration] = None
-                ) -> Dict[Setting, harness.Compiled]:
+                batch_size: int, calibration: Optional[costs.Calibration] = None,
+                sampled_passes: int = 1) -> Dict[Setting, harness.Compiled]:
   """Every setting compiled (every gamma of gamma='auto' too) before anything is timed
-  (gamma='auto' from `calibration` where it was made at the setting's temperature)."""
+  (gamma='auto' from `calibration` where it was made at the setting's temperature; sampled
+  settings' passes draw sampled_passes draws, `harness.pass_keys`)."""
   compiled = {}
   for s in settings:
-    compiled[s] = harness.compile_setting(s, pair, batches, calibration=calibration)
+    compiled[s] = harness.compile_setting(s, pair, batches, calibration=calibration,
+                                          sampled_passes=sampled_passes)
     print(f"batch {batch_size} {s.name}: compiled in {compiled[s].info()['compile_s']:.1f}s",
           flush=True)
   return compiled
@@ -233,7 +242,8 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
                                  args.input_length_step)
   steps = step_probes(pair, batch_size, settings)
-  compiled = compile_all(pair, settings, batches, batch_size, args.calibration)
+  compiled = compile_all(pair, settings, batches, batch_size, args.calibration,
+                         1 if args.same_samples else args.rounds + 1)
   passes = {s: functools.partial(c.pieces, args.piece_batches) for s, c in compiled.items()}
   hf = {}
   if batch_size == 1 and args.hf and Setting('baseline') in passes:
@@ -245,8 +255,13 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   outputs = harness.warm({**passes, **hf})
   times = policy.round_robin({**passes, **hf}, args.rounds)
   by_base = {b: harness.speedups(times, b) for b in {s.baseline for s in settings}}
-  runs = {s: {**harness.collect(outputs[s], count), **compiled[s].info(),
-              **by_base[s.baseline][s], 'ms_per_sentence': harness.ms_per(times[s], count)}
+  runs = {s: harness.collect_passes(compiled[s].history, count) for s in settings}
+  tokens = {s: run['tokens_per_pass'] for s, run in runs.items()}
+  per_token = {b: harness.speedups_per_token({s: times[s] for s in settings}, tokens, b)
+               for b in by_base}
+  runs = {s: {**runs[s], **compiled[s].info(), **by_base[s.baseline][s],
+              **per_token[s.baseline][s], 'ms_per_sentence': harness.ms_per(times[s], count),
+              'seconds_per_round': times[s]}
           for s in settings}
   rows = []
   for s in settings:
@@ -268,7 +283,8 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
 # Reporting.
 
 
-MAIN_COLUMNS = ('configuration', 'ms/sentence', 'speedup', 'range over rounds', 'BLEU',
+MAIN_COLUMNS = ('configuration', 'ms/sentence', 'speedup', 'range over rounds', 'per token',
+                'BLEU',
                 'same as greedy', 'alpha', 'accepted/call', 'tokens/call', 'c', 'predicted',
                 'efficiency', 'step-cost pred.', 'extra arith.', 'draft step ms',
                 'verify step ms', 'compile s')
@@ -277,7 +293,9 @@ MAIN_COLUMNS = ('configuration', 'ms/sentence', 'speedup', 'range over rounds', 
 def main_row(r: Mapping[str, Any]) -> List[str]:
   f = lambda key, spec: harness.fmt(r.get(key), spec)
   return [r['name'], f('ms_per_sentence', '.1f'), f('speedup', '.2f') + 'x',
-          f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}", f('bleu', '.2f'),
+          f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
+          f('speedup_per_token', '.2f') + ('x' if 'speedup_per_token' in r else ''),
+          f('bleu', '.2f'),
           f('same_as_baseline', '.0%') if r['temperature'] == 0 else '', f('alpha', '.3f'),
           f('accepted_per_call', '.2f'), f('tokens_per_call', '.2f'), f('c', '.3f'),
           f('predicted_speedup', '.2f'), f('efficiency', '.2f'), f('step_cost_prediction', '.2f'),
@@ -337,7 +355,10 @@ def block_markdown(batch_size: str, block: Mapping[str, Any], meta: Mapping[str,
 def markdown(results: Mapping[str, Any]) -> str:
   lines = harness.heading(f"Speed: {results['meta']['description']}", results)
   lines += [f"Speedups: median over {results['meta']['rounds']} round-robin rounds of the "
-            "baseline's pass time over the configuration's in the same round.", '']
+            "baseline's pass time over the configuration's in the same round; per token: "
+            "each round's time per output token, its tokens the round's own. Sampled passes "
+            + ('drew the same samples every round.' if results['meta'].get('same_samples')
+               else 'drew their own samples each round.'), '']
   for batch_size, block in results['batches'].items():
     lines += block_markdown(batch_size, block, results['meta'])
   return '\n'.join(lines)
@@ -422,6 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
       c_hat=flops['draft'] / flops['target'], target_flops_per_token=flops['target'],
       target_params=harness.param_count(pair.params['target']),
       draft_params=harness.param_count(pair.params['draft']), hf_threads=args.hf_threads,
+      same_samples=args.same_samples,
       **harness.probe_machine(pair)),
       'batches': {}}
   for batch_size, count in sizes.items():

@@ -102,8 +102,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   args.verdict_batch_list = harness.parse_ints(args.verdict_batches, '--verdict_batches')
   args.verdict_gamma_list = (harness.parse_ints(args.verdict_gammas, '--verdict_gammas') or
                              args.speed_gamma_list)
-  # benchmarks.speed.batch_block's flags: no HF rows and no calibration here.
+  # benchmarks.speed.batch_block's flags: no HF rows and no calibration here; each pass draws
+  # its own samples, as the speed command's default.
   args.hf, args.hf_gammas, args.hf_threads, args.calibration = False, '', 1, None
+  args.same_samples = False
   return args
 
 

@@ -27,6 +27,7 @@ from benchmarks import speed
 from benchmarks import verifiers
 from benchmarks import vs_ctranslate2
 from benchmarks import vs_t5x
+from benchmarks.harness import Setting
 from speculative_t5x import calibrate
 from speculative_t5x import costs
 from speculative_t5x import data
@@ -102,6 +103,11 @@ def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   for name in ('speculative gamma=1 T=0', 'speculative gamma=auto T=0'):
     assert rows[name]['same_as_baseline'] == 1.0
     assert {'speedup', 'speedup_min', 'alpha', 'bleu'} <= set(rows[name])
+    # Greedy passes write the same tokens each round (the untimed one and 1 timed): per token,
+    # the speedup is the pass's.
+    tokens = rows[name]['tokens_per_pass']
+    assert len(tokens) == 2 and tokens[0] == tokens[1] > 0
+    assert rows[name]['speedup_per_token'] == pytest.approx(rows[name]['speedup'])
   # The same outputs, counted from the decodes and from the loop's counts: the same length.
   assert (rows['speculative gamma=1 T=0']['tokens_per_sentence'] ==
           rows['target-only T=0']['tokens_per_sentence'])
@@ -180,6 +186,46 @@ def test_pipeline_samples_each_batch_with_its_own_key(small_pair: pipeline.Pair)
   assert not np.array_equal(first.tokens[0], first.tokens[1])
   np.testing.assert_array_equal(first.tokens,
                                 pipe.decode(texts, 'target', temperature=1.0, seed=3).tokens)
+
+
+def test_sampled_passes_draw_their_own_samples() -> None:
+  # A sampled setting timed over rounds is timed over draws: pass p of batch i draws from its
+  # own key; the first pass's keys are the infer job's, and past the last the keys repeat.
+  keys = harness.pass_keys(3, num_batches=2, passes=2)
+  assert [k.tolist() for k in keys[0]] == [
+      jax.random.fold_in(jax.random.PRNGKey(3), i).tolist() for i in range(2)]
+  fixed = policy.DecodingPolicy((None,))
+  decoder = lambda choice, batch, key: (jax.random.randint(key, (2, 4), 1, 10**6), {})
+  compiled = harness.Compiled(Setting('baseline', 1.0), decoder, fixed, [{}, {}], keys)
+  for _ in range(3):
+    list(compiled.pieces(1))
+  firsts, seconds, thirds = ([np.asarray(d) for d, _ in p] for p in compiled.history)
+  assert not np.array_equal(firsts[0], seconds[0]) and not np.array_equal(firsts[1], seconds[1])
+  assert all(np.array_equal(a, b) for a, b in zip(firsts, thirds))
+
+
+def test_collect_passes_pools_every_draw_and_counts_tokens_per_pass() -> None:
+  def batch(decodes: List[List[int]], accepted: List[int], with_stats: bool = True) -> Any:
+    stats = {'accepted': np.array(accepted), 'accepted_at': np.ones((len(accepted), 2), int)}
+    return np.array(decodes), {'stats': stats} if with_stats else {}
+  first = [batch([[5, 1, 0]], [2]), batch([[6, 0, 0]], [1])]
+  second = [batch([[5, 6, 1]], [3]), batch([[7, 1, 0]], [0], with_stats=False)]  # target alone
+  run = harness.collect_passes([first, second], num_sentences=2)
+  assert run['tokens_per_pass'] == [3, 5]
+  assert run['decodes'].tolist() == [[5, 1, 0], [6, 0, 0]]  # the first pass's
+  assert run['stats']['accepted'].tolist() == [2, 1, 3, 0]
+  assert run['stats']['accepted_at'].shape == (4, 2)
+
+
+def test_speedups_per_token_count_each_rounds_own_tokens() -> None:
+  # Round 1: the same time, twice the tokens (2x per token); round 2: the same tokens and a
+  # quarter the time (4x); round 3: 3x. Tokens: the untimed pass's first.
+  times = {'base': [1.0, 1.0, 1.0], 'x': [1.0, 0.25, 1.0]}
+  tokens = {'base': [9, 10, 10, 10], 'x': [9, 20, 10, 30]}
+  out = harness.speedups_per_token(times, tokens, 'base')
+  assert out['x'] == {'speedup_per_token': pytest.approx(3.0), 'speedup_per_token_min': 2.0,
+                      'speedup_per_token_max': 4.0}
+  assert out['base']['speedup_per_token'] == 1.0
 
 
 def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:
