@@ -5,30 +5,42 @@
 #
 # Needs the data folder ($SPECULATIVE_T5X_DATA, default ../shared/data) and the [bench] extra:
 #   pip install -e '.[bench]'
-# About 3 hours on a 2-core CPU in all (the policy run is most of it); each benchmark writes its
-# <name>.json and <name>.md as it goes. ONLY="speed verifiers" runs the named ones. DRY_RUN=1
+# About 5 hours on a 2-core CPU in all; each run writes its files into OUT/<name> as it goes (the
+# calibrations first: the speed runs start 'auto' from them). ONLY="speed verifiers" runs the named ones. DRY_RUN=1
 # prints the commands instead of running them. Nothing else may run on the machine meanwhile:
 # every figure is a ratio of passes timed in one process, and a second process skews it.
 # The T5X column (benchmarks.vs_t5x) needs a private T5X install: see docs/t5x.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out_args=(--out_dir "${1:-results/cpu}")
+out="${1:-results/cpu}"
 
-# name: the benchmark module, then the flags of the run the README reports.
+# name: the module and the flags of the run the README reports; each run writes to OUT/<name>
+# ({OUT} in the flags: OUT, so that a job reads the calibration an earlier run wrote).
 declare -A RUNS=(
-  # The table's greedy, T=1 and beam columns: fresh 192-sentence jobs, 'auto' with its search.
-  [speed]="--sentences 1:192,8:192,32:192 --gammas 1,2,3,4,auto --sampling_gammas 1,auto --beams 4:1,4:auto --rounds 3"
+  # Calibrations for the table's 'auto' (greedy, T=1, beam 4), on the test captions.
+  [calibrate_greedy]="speculative_t5x.calibrate --batch_sizes 1,8,32 --sentences 96 --check"
+  [calibrate_t1]="speculative_t5x.calibrate --batch_sizes 1,8,32 --sentences 96 --check --temperature 1"
+  [calibrate_beam4]="speculative_t5x.calibrate --batch_sizes 1,8,32 --sentences 64 --beam_size 4"
+  # The table's greedy, T=1 and beam columns: fresh 192-sentence jobs against every fixed choice
+  # (T=1: each round its own draw; at batch 32 a draw decides a 6-batch job, hence 32 rounds).
+  [speed_greedy]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas 1,2,3,4,auto --calibration {OUT}/calibrate_greedy/calibration.json --rounds 12"
+  [speed_t1]="benchmarks.speed --sentences 1:192,8:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 8"
+  [speed_t1_b32]="benchmarks.speed --sentences 32:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 32"
+  [speed_beam4]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas= --beams 4:1,4:auto --calibration {OUT}/calibrate_beam4/calibration.json --rounds 4"
   # The verifiers line: tokens per call on the 1000 test captions, then speed at T=1.
-  [verifiers]="--count_sentences 1000 --gammas 2,4 --trees 2;2,1;3,1;2,1,1,1 --sentences 1:64,8:192,32:320 --speed_gammas 1,2 --speed_trees 2;3,1 --rounds 3"
+  [verifiers]="benchmarks.verifiers --count_sentences 1000 --gammas 2,4 --trees 2;2,1;3,1;2,1,1,1 --sentences 1:64,8:192,32:320 --speed_gammas 1,2 --speed_trees 2;3,1 --rounds 3"
   # The CTranslate2 column: both engines on the test captions, alternating processes.
-  [vs_ctranslate2]="--sentences 1:64,8:192,32:320 --rounds 3"
+  [vs_ctranslate2]="benchmarks.vs_ctranslate2 --sentences 1:64,8:192,32:320 --rounds 3"
 )
-ORDER=(speed verifiers vs_ctranslate2)
+ORDER=(calibrate_greedy calibrate_t1 calibrate_beam4 speed_greedy speed_t1 speed_t1_b32 speed_beam4
+       verifiers vs_ctranslate2)
 
 for name in ${ONLY:-${ORDER[@]}}; do
   [[ -v "RUNS[$name]" ]] || { echo "error: ONLY names '$name'; known: ${ORDER[*]}" >&2; exit 1; }
-  read -r -a flags <<< "${RUNS[$name]}"
-  command=("${PYTHON:-python}" -m "benchmarks.$name" "${flags[@]}" "${out_args[@]}")
+  read -r -a words <<< "${RUNS[$name]//\{OUT\}/$out}"
+  flag=--out_dir
+  [[ "${words[0]}" == benchmarks.* ]] || flag=--output_dir  # (the calibrate command's)
+  command=("${PYTHON:-python}" -m "${words[@]}" "$flag" "$out/$name")
   if [[ -n "${DRY_RUN:-}" ]]; then
     printf '%q ' "${command[@]}"
     echo

@@ -59,6 +59,10 @@ LOOP_ROUNDS = 5
 # Each probe call runs many steps (encodes): one short call per round is too noisy a sample
 # beside loops of seconds.
 ENCODE_REPEATS = 8
+# The fewest batches a batch size's loops run over: at batch 32 greedy, a model fitted on 4
+# batches priced gamma 3 1% faster than gamma 2, which ran 8% faster in a 6-batch job; fitted on
+# 6 other batches it ranked them as the job did (results/cpu/policy_calibrated_greedy_rows).
+MIN_BATCHES = 6
 # The token trees a calibration prices by default: the two shapes of the verifiers benchmark
 # that kept most per call at depth 2 and 4 (results/cpu/verifiers_decoder_only_draft.md).
 DEFAULT_TREES = '3,1;2,1,1,1'
@@ -414,7 +418,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--data_dir', default=None, help='folder holding multi30k/')
   p.add_argument('--batch_sizes', default='1,8,32', help='batch sizes to calibrate')
   p.add_argument('--sentences', type=int, default=64,
-                 help='inputs per batch size (at least 4 batches: more are taken if needed)')
+                 help=f'inputs per batch size (at least {MIN_BATCHES} batches: more are taken '
+                      'if needed)')
   p.add_argument('--temperature', type=float, default=0.0, help='the job\'s temperature')
   p.add_argument('--max_gamma', type=int, default=policy.MAX_GAMMA)
   p.add_argument('--fit_gammas', default=None,
@@ -475,7 +480,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   if args.beam_size:
     results['beam_size'] = args.beam_size
   for batch_size in args.batch_sizes:
-    sample = (texts * (4 * batch_size))[:max(args.sentences, 4 * batch_size)]
+    sample = (texts * (MIN_BATCHES * batch_size))[:max(args.sentences, MIN_BATCHES * batch_size)]
     print(f'batch {batch_size}: step costs, then {_what(args)} on {len(sample)} inputs...',
           file=sys.stderr, flush=True)
     if args.beam_size:

@@ -135,6 +135,9 @@ def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: 
   assert set(block['costs']['lifts']) == {'(2,1)'} and '(2,1)' in block['predicted_ms_per_position']
   assert block['costs']['target_ms'].keys() >= {'1', '2', '3', '5'}  # (2,1): 5 nodes
   assert 0 < block['alpha'] <= 1 and all(r['positions'] > 0 for r in block['runs'])
+  # 8 inputs at batch 2 are 4 batches: the loops run over calibrate.MIN_BATCHES (the inputs
+  # repeated).
+  assert {r['batches'] for r in block['runs']} == {calibrate.MIN_BATCHES}
   assert {p.name for p in out.iterdir()} == {'calibration.json', 'calibration.md',
                                              't5x_schedule.gin', 'infer_schedule.gin'}
   speed.main(['--sentences', '2:4', '--rounds', '1'] + data_args + [
