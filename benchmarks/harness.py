@@ -7,7 +7,9 @@ of each (the outputs it reports), then times all passes round-robin for --rounds
 the configuration's in the same round, so that slow phases of a shared machine hit both alike;
 within a round the passes take turns every --piece_batches batches (`Compiled.pieces`).
 gamma='auto' is planned and chosen per batch exactly as the infer job does it (`policy.plan`,
-`DecodingPolicy.stream`); each pass is a job from scratch, its search timed with it.
+`DecodingPolicy.stream`); each pass is a job from scratch, its search timed with it. A sampled
+setting's passes can each draw their own samples (`pass_keys`); every pass's outputs are kept
+(`Compiled.history`, `collect_passes`).
 
 Batches are the first N sentences of Multi30k's test_2016_flickr (German -> English) in file
 order, `batch:N` per batch size (`--sentences 1:80,8:160`), in fixed shapes: output length 64,
@@ -574,8 +576,8 @@ def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.nda
   speedup_per_token: the speedup over the baseline per output token (EOS included), from the
   run's own (`speedups_per_token`: each round's passes drew their own samples) or else from the
   two settings' first passes. Sampled configurations draw their own outputs, whose lengths
-  differ by a few % from the baseline's: per token, that difference does not count as speed. ms_per_call: the pass's ms per loop
-  iteration (one target call), from run['loop_iterations'].
+  differ by a few % from the baseline's: per token, that difference does not count as speed.
+  ms_per_call: the pass's ms per loop iteration (one target call), from run['loop_iterations'].
   """
   row = _summary(setting, run, baseline_decodes, steps, c_hat, references, vocabulary)
   if 'tokens_per_sentence' in row and 'speedup' in row and 'speedup_per_token' not in row:

@@ -255,11 +255,11 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   outputs = harness.warm({**passes, **hf})
   times = policy.round_robin({**passes, **hf}, args.rounds)
   by_base = {b: harness.speedups(times, b) for b in {s.baseline for s in settings}}
-  runs = {s: harness.collect_passes(compiled[s].history, count) for s in settings}
-  tokens = {s: run['tokens_per_pass'] for s, run in runs.items()}
+  collected = {s: harness.collect_passes(compiled[s].history, count) for s in settings}
+  tokens = {s: run['tokens_per_pass'] for s, run in collected.items()}
   per_token = {b: harness.speedups_per_token({s: times[s] for s in settings}, tokens, b)
                for b in by_base}
-  runs = {s: {**runs[s], **compiled[s].info(), **by_base[s.baseline][s],
+  runs = {s: {**collected[s], **compiled[s].info(), **by_base[s.baseline][s],
               **per_token[s.baseline][s], 'ms_per_sentence': harness.ms_per(times[s], count),
               'seconds_per_round': times[s]}
           for s in settings}
@@ -284,9 +284,8 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
 
 
 MAIN_COLUMNS = ('configuration', 'ms/sentence', 'speedup', 'range over rounds', 'per token',
-                'BLEU',
-                'same as greedy', 'alpha', 'accepted/call', 'tokens/call', 'c', 'predicted',
-                'efficiency', 'step-cost pred.', 'extra arith.', 'draft step ms',
+                'BLEU', 'same as greedy', 'alpha', 'accepted/call', 'tokens/call', 'c',
+                'predicted', 'efficiency', 'step-cost pred.', 'extra arith.', 'draft step ms',
                 'verify step ms', 'compile s')
 
 

@@ -6,8 +6,9 @@
 # Needs the data folder ($SPECULATIVE_T5X_DATA, default ../shared/data) and the [bench] extra:
 #   pip install -e '.[bench]'
 # About 5 hours on a 2-core CPU in all; each run writes its files into OUT/<name> as it goes (the
-# calibrations first: the speed runs start 'auto' from them). ONLY="speed verifiers" runs the named ones. DRY_RUN=1
-# prints the commands instead of running them. Nothing else may run on the machine meanwhile:
+# calibrations first: the speed runs start 'auto' from them). ONLY="speed_greedy verifiers" runs
+# the named ones (a speed run reads its calibration from OUT). DRY_RUN=1 prints the commands
+# instead of running them. Nothing else may run on the machine meanwhile:
 # every figure is a ratio of passes timed in one process, and a second process skews it.
 # The T5X column (benchmarks.vs_t5x) needs a private T5X install: see docs/t5x.md.
 set -euo pipefail
