@@ -224,7 +224,7 @@ def _counts(decoded: pipeline.Decoded, batch_size: int,
   for i, start in enumerate(range(0, len(decoded.tokens), batch_size)):
     rows = slice(start, start + batch_size)
     lengths = policy.row_positions(decoded.tokens[rows])
-    positions = max(1, int(lengths.max())) if steps is None else steps[i]
+    positions = policy.longest(lengths) if steps is None else steps[i]
     out['batches'] += 1
     out['positions'] += positions
     out['iterations'] += (int(np.max(stats['target_calls'][rows])) if stats else positions)

@@ -179,22 +179,28 @@ def relative_medians(times: Mapping[Hashable, Sequence[float]], base: Hashable
   return {key: float(np.median(np.asarray(t) / base_times)) for key, t in times.items()}
 
 
+def _local_rows(values: Any) -> np.ndarray:
+  """A per-row array on the host: this process's rows of a multi-host batch (its measured time
+  is for its part too)."""
+  if isinstance(values, jax.Array) and not values.is_fully_addressable:
+    values = np.concatenate([np.asarray(s.data) for s in values.addressable_shards])
+  return np.asarray(values)
+
+
 def row_positions(decodes: Any) -> np.ndarray:
   """Each row's output positions (non-padding tokens; decodes [batch, (beams,) length]) as
-  [batch, (beams,)], this process's rows of a multi-host batch (its measured time is for its
-  part too)."""
-  if isinstance(decodes, jax.Array) and not decodes.is_fully_addressable:
-    decodes = np.concatenate([np.asarray(s.data) for s in decodes.addressable_shards])
-  return np.count_nonzero(np.asarray(decodes), axis=-1)
+  [batch, (beams,)], this process's rows of a multi-host batch."""
+  return np.count_nonzero(_local_rows(decodes), axis=-1)
 
 
 def output_positions(decodes: Any) -> int:
   """The longest output of a batch (`row_positions`): a batch's loop runs until its longest
   row is done, so time per position compares batches of different lengths."""
-  return _longest(row_positions(decodes))
+  return longest(row_positions(decodes))
 
 
-def _longest(rows: np.ndarray) -> int:
+def longest(rows: np.ndarray) -> int:
+  """The most output positions of `rows` (`row_positions`), at least 1."""
   return max(1, int(np.max(rows, initial=0)))
 
 
@@ -518,7 +524,7 @@ class DecodingPolicy:
     (for the model's acceptance) the decoder's per-row stats, `accepted` and `rollbacks`
     [batch]."""
     rows = row_positions(decodes)  # (one copy to the host, for both uses)
-    record, positions, ms = self.records[choice], _longest(rows), 1e3 * seconds
+    record, positions, ms = self.records[choice], longest(rows), 1e3 * seconds
     if self.model is not None and self.setting == 'gamma':
       self.lengths.append(rows.reshape(-1))  # (each of num_decodes a row)
       if choice and stats and 'accepted' in stats and 'rollbacks' in stats:
@@ -622,9 +628,7 @@ class DecodingPolicy:
 
 def _total(values: Any) -> int:
   """The sum of a (possibly multi-host: this process's rows) per-row count."""
-  if isinstance(values, jax.Array) and not values.is_fully_addressable:
-    values = np.concatenate([np.asarray(s.data) for s in values.addressable_shards])
-  return int(np.sum(np.asarray(values)))
+  return int(np.sum(_local_rows(values)))
 
 
 def _json(choice: Any) -> Any:
