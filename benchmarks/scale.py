@@ -27,8 +27,8 @@ here before JAX starts) with `partitioning.partition_predict` on each (data, mod
 --t5x_python runs the same shapes through T5X's own `EncoderDecoderModel.predict_batch` with
 `t5x.decoding.temperature_sample` (greedy) in a separate process (`benchmarks.scale_t5x`, T5X's
 environment); without T5X that part is skipped. `benchmarks.roofline` projects the figures onto
-TPU v4, TPU v5e and H100 into the markdown. Results: results/scale/scale.json and .md (written
-after every block, so a killed sweep keeps what it measured).
+TPU v4, TPU v5e and H100 into the markdown. Writes scale.json and .md after every block, so a
+killed sweep keeps what it measured (recorded: results/scale/scale.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ to the loops, and the acceptance the loops counted. --check times every other ga
 with them and reports the model's error on each (the other gammas are not used for the fit).
 Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
-The choice the model predicts fastest, a gamma or a tree, is the batch size's entry in the
+Each choice whose loop was timed has its predictions corrected by that loop's measured over
+predicted time (`costs.corrected`; the error reported is the model's before it). The choice
+the corrected model predicts fastest, a gamma or a tree, is the batch size's entry in the
 schedule (T5X's adapter runs either; a job under gamma 'auto' starts there). --beam_size N
 calibrates beam search of N beams instead: beam_search itself and the trees of
 `branching='auto'`, each one's real loop timed; the job starts from the one the model predicts
@@ -257,9 +259,11 @@ def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: 
   model, alpha = costs.fit(model, fitted_on), costs.pooled_alpha(fitted_on)
   model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, alpha),
                               spread=costs.fit_spread(model, fitted_on, alpha))
-  checked = [r for r in runs if check or isinstance(r.gamma, tuple)]  # trees: always
-  return {**_figures(model, runs, alpha, model.choices(), checked),
-          'best': model.best(alpha, range(model.max_gamma + 1), _lengths(runs)),
+  checked = costs.check(model, [r for r in runs if check or isinstance(r.gamma, tuple)],
+                        alpha)  # (trees: always)
+  final = costs.corrected(model, checked)
+  return {**_figures(model, final, runs, alpha, model.choices(), checked),
+          'best': final.best(alpha, range(model.max_gamma + 1), _lengths(runs)),
           'fit_gammas': sorted(set(fit_gammas))}
 
 
@@ -274,27 +278,31 @@ def calibrate_beams(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, 
   fit_trees = [(), policy.TREES[1], policy.TREES[-1]]
   model = costs.fit(model, [r for r in runs if r.gamma in fit_trees])
   model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, 0.0))
-  best = costs.choice_name(model.best(0.0, policy.TREES))
-  return {**_figures(model, runs, 0.0, list(policy.TREES), runs), 'best': best,
+  checked = costs.check(model, runs, 0.0)
+  final = costs.corrected(model, checked)
+  best = costs.choice_name(final.best(0.0, policy.TREES))
+  return {**_figures(model, final, runs, 0.0, list(policy.TREES), checked), 'best': best,
           'fit_gammas': [costs.choice_name(t) for t in fit_trees]}
 
 
-def _figures(model: costs.StepCosts, runs: Sequence[costs.LoopRun], alpha: float,
-             choices: Sequence[costs.Choice], checked: Sequence[costs.LoopRun]
-             ) -> Dict[str, Any]:
-  """A batch size's block of calibration.json: the model, its predicted ms per output position
-  of each of `choices` (for the runs' batches: their rows' output positions, or for beam search
-  their mean longest), the runs, and the model's error on the `checked` runs."""
+def _figures(model: costs.StepCosts, final: costs.StepCosts, runs: Sequence[costs.LoopRun],
+             alpha: float, choices: Sequence[costs.Choice],
+             checked: Mapping[costs.Choice, Mapping[str, float]]) -> Dict[str, Any]:
+  """A batch size's block of calibration.json: the `final` model (`model` corrected by the loops
+  it `checked`, `costs.corrected`), each of `choices`' ms per output position as `model`
+  predicts it and as `final` does (for the runs' batches: their rows' output positions, or for
+  beam search their mean longest), the best choice by `final`, the runs, and `model`'s error on
+  the checked runs."""
   positions = sum(r.positions for r in runs) / sum(r.batches for r in runs)  # per batch
   lengths, name = _lengths(runs), costs.choice_name
-  out = dict(costs=model.to_json(), alpha=alpha, positions_per_batch=positions,
-             predicted_ms_per_position={name(c): model.ms_per_position(c, alpha, positions,
-                                                                        lengths)
-                                        for c in choices},
-             best_choice=name(model.best(alpha, choices, lengths)),
+  out = dict(costs=final.to_json(), alpha=alpha, positions_per_batch=positions,
+             **{key: {name(c): m.ms_per_position(c, alpha, positions, lengths) for c in choices}
+                for key, m in (('predicted_ms_per_position', model),
+                               ('corrected_ms_per_position', final))},
+             best_choice=name(final.best(alpha, choices, lengths)),
              runs=[{**dataclasses.asdict(r), 'gamma': name(r.gamma)} for r in runs])
   if checked:
-    out['check'] = {name(c): v for c, v in costs.check(model, checked, alpha).items()}
+    out['check'] = {name(c): v for c, v in checked.items()}
   return out
 
 
@@ -322,8 +330,10 @@ def markdown(results: Mapping[str, Any]) -> str:
            '(accepted / (accepted + rejected) draft tokens) as counted. Alpha is the chains\' '
            'over the fit gammas; a batch\'s loop runs until its slowest row is done, predicted '
            'from its rows\' output positions, times the spread: "predicted" is for all the '
-           'runs\' batches (the schedule\'s pick), "predicted for its run" for that run\'s own '
-           '(sampled outputs differ in length), which the error compares.', '']
+           'runs\' batches, "predicted for its run" for that run\'s own (sampled outputs differ '
+           'in length), which the error compares. "corrected": the prediction times the '
+           'choice\'s measured over predicted for its run, where its loop was timed; the '
+           'schedule picks by it, and the job\'s policy predicts with it.', '']
   if results.get('beam_size'):
     lines += [f"Beam search of {results['beam_size']} beams: per beam step (beam search takes "
               'more steps than its best output has tokens), tokens per iteration are beam steps '
@@ -336,13 +346,14 @@ def markdown(results: Mapping[str, Any]) -> str:
               f"{block['best']}, best choice {block.get('best_choice', block['best'])}, fitted "
               f"on {block.get('fit_gammas')}", '',
               '| gamma / tree | predicted | predicted for its run | measured | error | '
-              'tokens/iteration | alpha |', '|---|---|---|---|---|---|---|']
+              'corrected | tokens/iteration | alpha |', '|---|---|---|---|---|---|---|---|']
+    corrected = block.get('corrected_ms_per_position', block['predicted_ms_per_position'])
     for g, predicted in block['predicted_ms_per_position'].items():
       row, run = check.get(str(g), {}), runs.get(str(g))
       counted = (run or {}).get('accepted', 0) + (run or {}).get('rejected', 0)
       lines.append(f"| {g} | {predicted:.3f} | {row.get('predicted', float('nan')):.3f} | "
                    f"{row.get('measured', float('nan')):.3f} | "
-                   f"{row.get('error', float('nan')):+.1%} | " +
+                   f"{row.get('error', float('nan')):+.1%} | {corrected[g]:.3f} | " +
                    (f"{run['positions'] / max(run['iterations'], 1):.2f} |" if run else ' |') +
                    (f" {run['accepted'] / counted:.3f} |" if counted else ' |'))
     lines += ['', 'Costs (ms): target step by tokens per row ' + ', '.join(
@@ -364,7 +375,8 @@ def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]
   schedule = {} if beams else {int(b): costs.parse_choice(r.get('best_choice', r['best']))
                                for b, r in results['batch_sizes'].items()}
   header = [f'Written by: {command}', 'Batch size -> gamma (0: the target alone) or token tree, '
-            'predicted fastest by the model in calibration.json.' if not beams else
+            'predicted fastest by the model (corrected by its loops) in calibration.json.'
+            if not beams else
             f'Beam search of {beams} beams: the trees predicted fastest are in calibration.json.']
   files = {
       'calibration.json': json.dumps({**results, 'schedule': schedule}, indent=1, default=float),
@@ -495,7 +507,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           f"(of all: {block['best_choice']}), "
           f"predicted ms/position " + ', '.join(
               f'{g}: {v:.3f}' for g, v in block['predicted_ms_per_position'].items()) +
-          (f'; model error {errors}' if errors else ''), flush=True)
+          (f'; model error {errors}; corrected by the loops ' + ', '.join(
+              f'{g}: {v:.3f}' for g, v in block['corrected_ms_per_position'].items())
+           if errors else ''), flush=True)
   for path in write(Path(args.output_dir), results, results['command']):
     print(path)
   return results

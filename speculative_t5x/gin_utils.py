@@ -269,9 +269,10 @@ def run(main: Callable[[Sequence[str]], None], argv: Optional[Sequence[str]] = N
   app.run(main, argv=argv)
 
 
-def bound_arguments(fn: Callable) -> Dict[str, Any]:
-  """The arguments gin binds to `fn`, a configurable as gin hands one to a constructor (e.g.
-  `@spec_decoding.speculative_sample` under dynamic registration); {} where gin binds none."""
+def bound_arguments(fn: Union[Callable, str]) -> Dict[str, Any]:
+  """The arguments gin binds to `fn`: a configurable as gin hands one to a constructor (e.g.
+  `@spec_decoding.speculative_sample` under dynamic registration) or its name
+  ('decoding.speculative_sample'); {} where gin binds none."""
   try:
     return dict(gin.get_bindings(fn))
   except ValueError:  # not in gin's registry: a plain function or partial

@@ -623,17 +623,9 @@ def _load_calibration(path: Optional[str]) -> Optional[costs.Calibration]:
 
 
 def _bound_decode_kwargs(fn: Any, explicit: Mapping[str, Any]) -> Dict[str, Any]:
-  """The decode function's gin-bound arguments plus the model's decode_kwargs."""
-  name = _decode_fn_name(fn)
-  bound = {}
-  for key in ('temperature', 'topk', 'topp', 'gamma', 'lenience', 'adaptive_gamma',
-              'verification', 'draft_confidence_threshold', 'fallback_threshold',
-              'rollback_threshold', 'max_small_steps', 'beam_size', 'alpha', 'branching'):
-    try:
-      bound[key] = gin.query_parameter(f'decoding.{name}.{key}')
-    except ValueError:
-      pass
-  return {**bound, **dict(explicit)}
+  """The decode function's gin-bound arguments (as registered above) plus the model's
+  decode_kwargs."""
+  return {**gin_utils.bound_arguments(f'decoding.{_decode_fn_name(fn)}'), **dict(explicit)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -138,6 +138,11 @@ def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: 
   # 8 inputs at batch 2 are 4 batches: the loops run over calibrate.MIN_BATCHES (the inputs
   # repeated).
   assert {r['batches'] for r in block['runs']} == {calibrate.MIN_BATCHES}
+  # Greedy loops decode the same rows whatever the choice, so the model corrected by each
+  # checked loop predicts exactly what that loop measured, and the schedule takes the fastest.
+  measured = {c: v['measured'] for c, v in block['check'].items()}
+  assert block['corrected_ms_per_position'] == pytest.approx(measured)
+  assert block['best_choice'] == min(measured, key=measured.get)
   assert {p.name for p in out.iterdir()} == {'calibration.json', 'calibration.md',
                                              't5x_schedule.gin', 'infer_schedule.gin'}
   speed.main(['--sentences', '2:4', '--rounds', '1'] + data_args + [
@@ -165,6 +170,9 @@ def test_calibrate_beam_search_then_the_pipeline_starts_from_it(
   names = {costs.choice_name(t) for t in policy.TREES}
   assert set(block['check']) == names == set(block['predicted_ms_per_position'])
   assert block['best'] in names and block['alpha'] == 0.0
+  measured = {c: v['measured'] for c, v in block['check'].items()}
+  assert block['corrected_ms_per_position'] == pytest.approx(measured)
+  assert block['best'] == min(measured, key=measured.get)
   assert {p.name for p in out.iterdir()} == {'calibration.json', 'calibration.md',
                                              'infer_schedule.gin'}
   calibration = costs.load_calibration(out / 'calibration.json')

@@ -137,9 +137,30 @@ def test_a_batch_runs_until_its_slowest_row_is_done():
 
 
 def test_step_costs_round_trip_through_json():
-  for m in (model(), model(lifts={(3, 1): 0.05, (2, 1, 1, 1): 0.02})):
+  for m in (model(), model(lifts={(3, 1): 0.05, (2, 1, 1, 1): 0.02},
+                           corrections={3: 1.1, (3, 1): 0.9})):
     assert costs.StepCosts.from_json(json.loads(json.dumps(m.to_json()))) == m
   assert [costs.parse_choice(costs.choice_name(c)) for c in (0, 3, (2, 1, 1))] == [0, 3, (2, 1, 1)]
+
+
+def test_a_timed_loop_corrects_its_choices_predictions_and_the_pick():
+  """A calibration that timed gamma 3's and 4's loops: the model's near-tie between them is
+  settled by what the loops measured, at the calibration's acceptance and at another one."""
+  truth = model()
+  lengths = ((12,),) * 8
+  runs = [costs.LoopRun(g, batches=8, ms=ms * 96, iterations=1, positions=96, lengths=lengths)
+          for g, ms in ((3, 0.97 * truth.ms_per_position(3, 0.8, lengths=lengths)),
+                        (4, 1.08 * truth.ms_per_position(4, 0.8, lengths=lengths)))]
+  checked = costs.check(truth, runs, 0.8)
+  assert checked[4]['error'] == pytest.approx(1 / 1.08 - 1)  # the model's, before correction
+  fixed = costs.corrected(truth, checked)
+  assert fixed.corrections == pytest.approx({3: 0.97, 4: 1.08})
+  for alpha in (0.8, 0.6):
+    for g, factor in ((0, 1.0), (2, 1.0), (3, 0.97), (4, 1.08)):
+      assert fixed.ms_per_position(g, alpha, lengths=lengths) == pytest.approx(
+          factor * truth.ms_per_position(g, alpha, lengths=lengths))
+  assert truth.best(0.8, (3, 4), lengths) == 4 and fixed.best(0.8, (3, 4), lengths) == 3
+  assert costs.StepCosts.from_json(json.loads(json.dumps(fixed.to_json()))) == fixed
 
 
 # A bandwidth-bound machine (an accelerator at batch 1): a verify call costs about a step for

@@ -12,8 +12,12 @@ from speculative_t5x import data
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import infer  # registers the configurables
+from speculative_t5x import models
 from speculative_t5x import network
+from speculative_t5x import policy
 from speculative_t5x import train  # noqa: F401  (registers train)
+
+from conftest import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / 'gin_configs'
@@ -161,3 +165,17 @@ def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
       assert b['teacher'] == exports[0] and b['init_from'] == exports[
           {5: 3, 6: 5, 7: 3}.get(i, i - 1)], b
   assert bound[5]['encoder'] == bound[6]['encoder'] == bound[7]['encoder'] == exports[0]
+
+
+def test_the_infer_job_reads_every_argument_gin_binds_to_its_decoder():
+  """All of them, not a list of names: a rule bound in gin must reach the policy, which refuses
+  gamma='auto' with one (a custom rule changes what the target alone would sample)."""
+  gin.parse_config_file(str(CONFIGS / 'decoding' / 'speculative_sampling.gin'))
+  gin.parse_config("decoding.speculative_sample.gamma = 'auto'\n"
+                   'decoding.speculative_sample.rule = @decoding.temperature_sample')
+  bound = infer._bound_decode_kwargs(decoding.speculative_sample, {'topk': 5})
+  assert bound['gamma'] == 'auto' and bound['topk'] == 5
+  assert bound['temperature'] == gin.query_parameter('decoding.speculative_sample.temperature')
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1)
+  with pytest.raises(ValueError, match='exact speculative sampling'):
+    policy.plan(pair, bound)

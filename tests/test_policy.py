@@ -87,6 +87,30 @@ def test_stream_keeps_batches_in_flight_and_times_each_by_its_share():
   assert all(b - a > policy.IN_FLIGHT for a, b in zip(explorations, explorations[1:]))
 
 
+def test_only_an_uncalibrated_job_awaits_its_first_batch_alone():
+  """An uncalibrated search starts from the first batch's time, so the next batch waits for it;
+  a calibrated job keeps IN_FLIGHT batches of its scheduled choice dispatched behind it (two
+  batches side by side decode faster than one after the other)."""
+  step_costs = costs.StepCosts(batch_size=1, target_ms={1: 1.0, 2: 1.2, 3: 1.3, 4: 1.4, 5: 1.5},
+                               draft_ms={1: 0.1, 2: 0.1}, batch_ms=2.0, plain_overhead_ms=0.1,
+                               overhead_ms=0.3, overhead_per_token_ms=0.05)
+  decodes = np.full((1, 10), 5, np.int32)
+  for model, landed_before_second in ((None, 1), (step_costs, 0)):
+    device = policy_sim.Device()
+    decoding_policy = _gamma_policy(device, fallback=3, model=model, prior_alpha=0.8)
+    dispatched, seen = [], []
+
+    def run(choice, item):
+      dispatched.append((choice, len(seen)))  # (its choice, batches landed before it)
+      return device.dispatch(1.0, decodes)
+
+    for item, _, _ in decoding_policy.stream(range(6), run):
+      seen.append(item)
+    assert dispatched[1][1] == landed_before_second, model
+    first = dispatched[:policy.IN_FLIGHT + 1] if model else dispatched[:1]
+    assert [choice for choice, _ in first] == [3] * len(first)
+
+
 def test_stream_does_not_record_batches_that_shared_the_cores_with_a_compile():
   device = policy_sim.Device()
   decoding_policy = policy.DecodingPolicy((None,), clock=device)
