@@ -142,6 +142,8 @@ def from_row(row: Mapping[str, Any]) -> Setting:
 
 # A pass's piece: at batch 1 on this CPU a fifth of a second, short against the machine's drift.
 PIECE_BATCHES = 16
+# Resamples of the rounds behind a summed speedup's interval (`speedups_per_token`).
+BOOTSTRAP = 4000
 
 
 # (module, purpose) of an optional module a command needs; every one is in the bench extra.
@@ -465,14 +467,23 @@ def speedups_per_token(times: Mapping[Hashable, Sequence[float]],
   """Per key: its speedup over `base` per output token and that speedup's min and max over
   rounds, each round counting the tokens its own passes wrote (`tokens`: each pass's, the
   untimed first; sampled passes that draw their own samples write different counts). As
-  `speedups`: 1 / the median over rounds of the relative time per token."""
-  per_token = {k: np.asarray(t) / np.asarray(tokens[k][-len(t):]) for k, t in times.items()}
+  `speedups`: 1 / the median over rounds of the relative time per token. Also the ratio of
+  summed times per summed tokens over all rounds (`speedup_summed`: a slow round weighs by its
+  time, as in a long job) and its 90% interval, rounds resampled with replacement
+  (BOOTSTRAP draws, a fixed seed: the same figures for the same times)."""
+  timed = {k: (np.asarray(t), np.asarray(tokens[k][-len(t):], float)) for k, t in times.items()}
+  picks = np.random.default_rng(0).integers(0, len(times[base]), (BOOTSTRAP, len(times[base])))
+  summed = {k: t[picks].sum(1) / n[picks].sum(1) for k, (t, n) in timed.items()}
   out = {}
-  for key, seconds in per_token.items():
-    ratios = per_token[base] / seconds
+  for key, (seconds, count) in timed.items():
+    ratios = (timed[base][0] / timed[base][1]) / (seconds / count)
+    low, high = np.percentile(summed[base] / summed[key], [5, 95])
     out[key] = {'speedup_per_token': 1.0 / float(np.median(1.0 / ratios)),
                 'speedup_per_token_min': float(ratios.min()),
-                'speedup_per_token_max': float(ratios.max())}
+                'speedup_per_token_max': float(ratios.max()),
+                'speedup_summed': float((timed[base][0].sum() / timed[base][1].sum()) /
+                                        (seconds.sum() / count.sum())),
+                'speedup_summed_low': float(low), 'speedup_summed_high': float(high)}
   return out
 
 

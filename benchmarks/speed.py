@@ -27,7 +27,8 @@ until its longest row ends).
 Per configuration: median wall time per sentence (compilation excluded, reported as
 compile_s), speedup over the baseline of the same batch size and temperature (median over
 rounds of the per-round ratio, with its range) and per output token (each round's tokens its
-own: sampled outputs' lengths differ), BLEU, whether greedy outputs equal the target
+own: sampled outputs' lengths differ; also summed over rounds, with a 90% bootstrap
+interval: `harness.speedups_per_token`), BLEU, whether greedy outputs equal the target
 alone's, alpha, accepted draft tokens and emitted tokens per target call, c = draft step /
 target step, the paper's predicted speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)),
 efficiency = measured / predicted, a step-cost prediction that charges the verify call its
@@ -284,9 +285,9 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
 
 
 MAIN_COLUMNS = ('configuration', 'ms/sentence', 'speedup', 'range over rounds', 'per token',
-                'BLEU', 'same as greedy', 'alpha', 'accepted/call', 'tokens/call', 'c',
-                'predicted', 'efficiency', 'step-cost pred.', 'extra arith.', 'draft step ms',
-                'verify step ms', 'compile s')
+                'summed per token (90%)', 'BLEU', 'same as greedy', 'alpha', 'accepted/call',
+                'tokens/call', 'c', 'predicted', 'efficiency', 'step-cost pred.', 'extra arith.',
+                'draft step ms', 'verify step ms', 'compile s')
 
 
 def main_row(r: Mapping[str, Any]) -> List[str]:
@@ -294,6 +295,8 @@ def main_row(r: Mapping[str, Any]) -> List[str]:
   return [r['name'], f('ms_per_sentence', '.1f'), f('speedup', '.2f') + 'x',
           f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
           f('speedup_per_token', '.2f') + ('x' if 'speedup_per_token' in r else ''),
+          (f"{r['speedup_summed']:.3f}x ({r['speedup_summed_low']:.3f}-"
+           f"{r['speedup_summed_high']:.3f})" if 'speedup_summed' in r else ''),
           f('bleu', '.2f'),
           f('same_as_baseline', '.0%') if r['temperature'] == 0 else '', f('alpha', '.3f'),
           f('accepted_per_call', '.2f'), f('tokens_per_call', '.2f'), f('c', '.3f'),
@@ -355,7 +358,8 @@ def markdown(results: Mapping[str, Any]) -> str:
   lines = harness.heading(f"Speed: {results['meta']['description']}", results)
   lines += [f"Speedups: median over {results['meta']['rounds']} round-robin rounds of the "
             "baseline's pass time over the configuration's in the same round; per token: "
-            "each round's time per output token, its tokens the round's own. Sampled passes "
+            "each round's time per output token, its tokens the round's own; summed: all "
+            "rounds' time over all their tokens, 90% interval by resampling rounds. Sampled passes "
             + ('drew the same samples every round.' if results['meta'].get('same_samples')
                else 'drew their own samples each round.'), '']
   for batch_size, block in results['batches'].items():

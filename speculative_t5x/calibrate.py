@@ -10,7 +10,8 @@ draft's and the encoders, each in isolation (`probes`), and the real decode loop
 --fit_gammas (the target alone and two speculative gammas by default), all timed in the same
 round-robin rounds; from them the `costs.StepCosts` model of every gamma, its overheads fitted
 to the loops, and the acceptance the loops counted. --check times every other gamma's loop
-with them and reports the model's error on each (the other gammas are not used for the fit).
+with them and reports the model's error on each (the other gammas are not used for the fit)
+and corrects its predictions by it.
 Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
 Each choice whose loop was timed has its predictions corrected by that loop's measured over
@@ -440,7 +441,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="token trees to price, e.g. '3,1;2,1,1,1' ('' for none): each runs its "
                       'real loop; the policy runs one where the model predicts it fastest')
   p.add_argument('--check', action='store_true',
-                 help="also time every other gamma and report the model's error on each")
+                 help="also time every other gamma: the model's error on each is reported and "
+                      'its predictions corrected by its loop (near-ties ranked as the loops ran)')
   p.add_argument('--beam_size', type=int, default=0,
                  help="calibrate beam search of this many beams instead (branching='auto': beam "
                       'search itself and its trees, all timed); the infer job\'s num_decodes')

@@ -108,6 +108,7 @@ def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
     tokens = rows[name]['tokens_per_pass']
     assert len(tokens) == 2 and tokens[0] == tokens[1] > 0
     assert rows[name]['speedup_per_token'] == pytest.approx(rows[name]['speedup'])
+    assert rows[name]['speedup_summed'] == pytest.approx(rows[name]['speedup'])  # (one round)
   # The same outputs, counted from the decodes and from the loop's counts: the same length.
   assert (rows['speculative gamma=1 T=0']['tokens_per_sentence'] ==
           rows['target-only T=0']['tokens_per_sentence'])
@@ -234,9 +235,16 @@ def test_speedups_per_token_count_each_rounds_own_tokens() -> None:
   times = {'base': [1.0, 1.0, 1.0], 'x': [1.0, 0.25, 1.0]}
   tokens = {'base': [9, 10, 10, 10], 'x': [9, 20, 10, 30]}
   out = harness.speedups_per_token(times, tokens, 'base')
+  summed = out['x'].pop('speedup_summed'), out['x'].pop('speedup_summed_low'), out['x'].pop(
+      'speedup_summed_high')
   assert out['x'] == {'speedup_per_token': pytest.approx(3.0), 'speedup_per_token_min': 2.0,
                       'speedup_per_token_max': 4.0}
-  assert out['base']['speedup_per_token'] == 1.0
+  assert out['base']['speedup_per_token'] == out['base']['speedup_summed'] == 1.0
+  # Summed: 3 s over 30 tokens against 2.25 s over 60: 2.67x, not the median's 3x; resampled
+  # rounds stay within the rounds' own range.
+  assert summed[0] == pytest.approx((3.0 / 30) / (2.25 / 60))
+  assert 2.0 <= summed[1] <= summed[0] <= summed[2] <= 4.0
+  assert harness.speedups_per_token(times, tokens, 'base')['x']['speedup_summed_low'] == summed[1]
 
 
 def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:
