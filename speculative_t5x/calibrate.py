@@ -260,11 +260,8 @@ def calibrate_batch_size(pair: pipeline.Pair, texts: Sequence[str], batch_size: 
   model, alpha = costs.fit(model, fitted_on), costs.pooled_alpha(fitted_on)
   model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, alpha),
                               spread=costs.fit_spread(model, fitted_on, alpha))
-  checked = costs.check(model, [r for r in runs if check or isinstance(r.gamma, tuple)],
-                        alpha)  # (trees: always)
-  final = costs.corrected(model, checked)
-  return {**_figures(model, final, runs, alpha, model.choices(), checked),
-          'best': final.best(alpha, range(model.max_gamma + 1), _lengths(runs)),
+  checked = [r for r in runs if check or isinstance(r.gamma, tuple)]  # trees: always
+  return {**_figures(model, runs, alpha, model.choices(), checked, range(model.max_gamma + 1)),
           'fit_gammas': sorted(set(fit_gammas))}
 
 
@@ -279,31 +276,32 @@ def calibrate_beams(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, 
   fit_trees = [(), policy.TREES[1], policy.TREES[-1]]
   model = costs.fit(model, [r for r in runs if r.gamma in fit_trees])
   model = dataclasses.replace(model, lifts=costs.tree_lifts(runs, 0.0))
-  checked = costs.check(model, runs, 0.0)
-  final = costs.corrected(model, checked)
-  best = costs.choice_name(final.best(0.0, policy.TREES))
-  return {**_figures(model, final, runs, 0.0, list(policy.TREES), checked), 'best': best,
+  block = _figures(model, runs, 0.0, list(policy.TREES), runs, policy.TREES)
+  return {**block, 'best': costs.choice_name(block['best']),
           'fit_gammas': [costs.choice_name(t) for t in fit_trees]}
 
 
-def _figures(model: costs.StepCosts, final: costs.StepCosts, runs: Sequence[costs.LoopRun],
-             alpha: float, choices: Sequence[costs.Choice],
-             checked: Mapping[costs.Choice, Mapping[str, float]]) -> Dict[str, Any]:
-  """A batch size's block of calibration.json: the `final` model (`model` corrected by the loops
-  it `checked`, `costs.corrected`), each of `choices`' ms per output position as `model`
-  predicts it and as `final` does (for the runs' batches: their rows' output positions, or for
-  beam search their mean longest), the best choice by `final`, the runs, and `model`'s error on
-  the checked runs."""
+def _figures(model: costs.StepCosts, runs: Sequence[costs.LoopRun], alpha: float,
+             choices: Sequence[costs.Choice], checked: Sequence[costs.LoopRun],
+             line: Sequence[costs.Choice]) -> Dict[str, Any]:
+  """A batch size's block of calibration.json: `model`'s error on the `checked` runs; the final
+  model, `model` corrected by them (`costs.corrected`); each of `choices`' ms per output
+  position as `model` predicts it and as the final model does (for the runs' batches: their
+  rows' output positions, or for beam search their mean longest); the final model's best of
+  `choices` (the schedule's entry) and of `line` (`best`); the runs."""
   positions = sum(r.positions for r in runs) / sum(r.batches for r in runs)  # per batch
   lengths, name = _lengths(runs), costs.choice_name
+  errors = costs.check(model, checked, alpha)
+  final = costs.corrected(model, errors)
   out = dict(costs=final.to_json(), alpha=alpha, positions_per_batch=positions,
              **{key: {name(c): m.ms_per_position(c, alpha, positions, lengths) for c in choices}
                 for key, m in (('predicted_ms_per_position', model),
                                ('corrected_ms_per_position', final))},
              best_choice=name(final.best(alpha, choices, lengths)),
+             best=final.best(alpha, line, lengths),
              runs=[{**dataclasses.asdict(r), 'gamma': name(r.gamma)} for r in runs])
-  if checked:
-    out['check'] = {name(c): v for c, v in checked.items()}
+  if errors:
+    out['check'] = {name(c): v for c, v in errors.items()}
   return out
 
 
