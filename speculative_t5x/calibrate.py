@@ -11,7 +11,8 @@ draft's and the encoders, each in isolation (`probes`), and the real decode loop
 round-robin rounds; from them the `costs.StepCosts` model of every gamma, its overheads fitted
 to the loops, and the acceptance the loops counted. --check times every other gamma's loop
 with them and reports the model's error on each (the other gammas are not used for the fit)
-and corrects its predictions by it.
+and corrects its predictions by it. Sampling (--temperature > 0), each round draws its own
+samples, as a job's batches do, and a loop's counts pool every timed round's draws.
 Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
 Each choice whose loop was timed has its predictions corrected by that loop's measured over
@@ -182,29 +183,59 @@ def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
   """The isolated step costs (overheads not yet fitted) and each choice's (gamma's or tree's)
   real decode of `texts`, all timed in the same round-robin rounds (the machine's speed drifts
   between minutes by more than the differences sought): a loop's median wall ms, and the loop
-  iterations and output positions it counted. beams: beam search of that many beams (the
-  choices: () and trees), its steps over batch x beams rows."""
+  iterations and output positions it counted. A sampled loop (temperature > 0) draws its own
+  samples each round, as a job's batches do: one draw of 6 batches at batch 32 ranked choices
+  within a few % that a job's draws ranked otherwise; its run pools every timed round's draws
+  (`_loop_run`). beams: beam search of that many beams (the choices: () and trees), its steps
+  over batch x beams rows."""
   widths = [b['encoder_input_tokens'].shape[1] for b in pipe.batches(texts)]
   calls = probes(pair, pipe.batch_size, max_gamma, int(np.median(widths)),
                  trees=[g for g in gammas if isinstance(g, tuple) and g], beams=max(beams, 1))
+  sampled = temperature > 0 and not beams
+  decodes: Dict[costs.Choice, List[pipeline.Decoded]] = {g: [] for g in gammas}
   passes = {}
   for g in gammas:
     name, kwargs = _decoder(g, temperature, beams)
     pipe.compile(texts, name, **kwargs)
-    passes['loop', g] = functools.partial(pipe.decode, texts, name, **kwargs)
-  decoded = {key: one_pass() for key, one_pass in passes.items()}  # warm, and the counts
+    passes['loop', g] = _loop_pass(pipe, texts, name, kwargs, decodes[g], sampled)
+    passes['loop', g]()  # warm
   times = policy.round_robin({**{k: c for k, (c, _) in calls.items()}, **passes}, rounds + 1)
-  ms = {key: 1e3 * float(np.median(t[1:])) / (calls[key][1] if key in calls else 1)
+  ms = {key: 1e3 * np.asarray(t[1:]) / (calls[key][1] if key in calls else 1)
         for key, t in times.items()}  # the first round warms up
-  part_ms = lambda name: {k: v for (part, k), v in ms.items() if part == name}
+  part_ms = lambda name: {k: float(np.median(v)) for (part, k), v in ms.items() if part == name}
   model = costs.StepCosts(pipe.batch_size, part_ms('target'), part_ms('draft'),
-                          batch_ms=ms['encode', 0])
+                          batch_ms=float(np.median(ms['encode', 0])))
   steps = None
   if beams:  # counted per beam step: every choice takes beam_search's steps (the same search)
-    steps = _beam_steps(decoded['loop', next(g for g in gammas if g)], pipe.batch_size)
-  return model, [costs.LoopRun(g, ms=ms['loop', g], **_counts(decoded['loop', g],
-                                                             pipe.batch_size, steps))
+    steps = _beam_steps(decodes[next(g for g in gammas if g)][0], pipe.batch_size)
+  timed = slice(2, None) if sampled else slice(-1, None)  # (warm pass, warm round, rounds)
+  return model, [_loop_run(g, ms['loop', g], decodes[g][timed], pipe.batch_size, steps)
                  for g in gammas]
+
+
+def _loop_pass(pipe: pipeline.Pipeline, texts: Sequence[str], name: str,
+               kwargs: Mapping[str, Any], outputs: List[pipeline.Decoded], sampled: bool
+               ) -> Callable[[], pipeline.Decoded]:
+  """One real decode of `texts` per call, appended to `outputs`; sampled, each call draws with
+  the next seed (the first with the infer job's keys, seed 0)."""
+  def one_pass() -> pipeline.Decoded:
+    outputs.append(pipe.decode(texts, name, seed=len(outputs) if sampled else 0, **kwargs))
+    return outputs[-1]
+  return one_pass
+
+
+def _loop_run(choice: costs.Choice, ms: np.ndarray, decodes: Sequence[pipeline.Decoded],
+              batch_size: int, steps: Optional[Sequence[int]]) -> costs.LoopRun:
+  """A choice's `costs.LoopRun` from its timed rounds' ms: one decode's counts at the median
+  ms, or for several decodes (a sampled loop's draws, one per round) their counts pooled at
+  the median over rounds of ms per output position."""
+  counts = [_counts(d, batch_size, steps) for d in decodes]
+  pooled = {key: (sum((c[key] for c in counts), ()) if key == 'lengths' else
+                  sum(c[key] for c in counts)) for key in counts[0]}
+  if len(counts) == 1:
+    return costs.LoopRun(choice, ms=float(np.median(ms)), **pooled)
+  per_position = np.median(ms / np.array([c['positions'] for c in counts]))
+  return costs.LoopRun(choice, ms=float(per_position * pooled['positions']), **pooled)
 
 
 def _beam_steps(decoded: pipeline.Decoded, batch_size: int) -> List[int]:
@@ -326,7 +357,8 @@ def markdown(results: Mapping[str, Any]) -> str:
            'ms per output position of each gamma: predicted by the model (step costs measured in '
            'isolation, overheads fitted to the loops of the fit gammas) and measured (the real '
            'loop, timed in the same rounds); tokens per loop iteration and the paper\'s alpha '
-           '(accepted / (accepted + rejected) draft tokens) as counted. Alpha is the chains\' '
+           '(accepted / (accepted + rejected) draft tokens) as counted (sampled: over every timed '
+           'round\'s draws). Alpha is the chains\' '
            'over the fit gammas; a batch\'s loop runs until its slowest row is done, predicted '
            'from its rows\' output positions, times the spread: "predicted" is for all the '
            'runs\' batches, "predicted for its run" for that run\'s own (sampled outputs differ '

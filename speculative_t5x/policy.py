@@ -341,9 +341,11 @@ class DecodingPolicy:
 
   def _neighbours(self) -> List[Any]:
     """The choices one step more and less speculative than the running one, and the next one
-    past a neighbour that is not surely slower: a local search then crosses a plateau (at batch
-    1 greedy gamma 2, 3 and 4 were within a few % of each other, and the search rested on 2).
-    A modelled choice's: the model's best of the line."""
+    past a neighbour that is not surely slower or that the model rules out untried: a local
+    search then crosses a plateau (at batch 1 greedy gamma 2, 3 and 4 were within a few % of
+    each other, and the search rested on 2) and a choice the model prices apart (at batch 8 T=1
+    a job started on gamma 4 with gamma 3 ruled out never reached gamma 2, 8% faster). A
+    modelled choice's: the model's best of the line."""
     out: List[Any] = []
     if self.current not in self.line:
       out.append(costs.cheapest([c for c in self.line if self.model.prices(c)],
@@ -353,9 +355,7 @@ class DecodingPolicy:
       for step in (-1, 1):
         if 0 <= i + step < len(line):
           out.append(line[i + step])
-          gain, error = self._advantage(out[-1])
-          if (self.records[out[-1]].count and gain + Z * error > -MARGIN and
-              0 <= i + 2 * step < len(line)):
+          if 0 <= i + 2 * step < len(line) and self._passable(out[-1]):
             out.append(line[i + 2 * step])
     if self.choices[0] not in out + [self.current]:
       out.append(self.choices[0])
@@ -429,6 +429,14 @@ class DecodingPolicy:
     weights = 1 + 1 / counts[paired]  # each pair's variance, in one batch's
     return float(gains.mean()), float(self._sigma() * np.sqrt(weights.sum()) / len(gains))
 
+  def _passable(self, choice: Any) -> bool:
+    """Whether the local search looks past `choice`, a neighbour of the running one: measured
+    and not surely slower, or untried and ruled out by the model (`_ruled_out`)."""
+    if not self.records[choice].count:
+      return self._ruled_out(choice)
+    gain, error = self._advantage(choice)
+    return gain + Z * error > -MARGIN
+
   def _expected_slowdown(self, choice: Any) -> float:
     """How much slower than the running choice a batch of `choice` is expected to be."""
     if self.records[choice].count:
@@ -436,8 +444,11 @@ class DecodingPolicy:
     if choice not in self.line or self.current not in self.line:  # as the model predicts
       return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
     line, i, j = self.line, self.line.index(self.current), self.line.index(choice)
-    if abs(j - i) == 2:  # past a plateau: as slow as the neighbour in between, if that is
-      return max(0.0, -self._advantage(line[(i + j) // 2])[0])
+    if abs(j - i) == 2:  # past a plateau, as slow as the measured neighbour in between if that
+      middle = line[(i + j) // 2]  # is; past one the model rules out, as the model predicts
+      if self.records[middle].count:
+        return max(0.0, -self._advantage(middle)[0])
+      return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
     step = i - j  # toward the other side: its nearest measured choice
     others = [self.records[c] for c in (line[i + step::step] if i + step >= 0 else ())
               if self.records[c].count]

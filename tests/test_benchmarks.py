@@ -158,6 +158,45 @@ def test_calibrate_then_speed_starts_from_it(tmp_path: pathlib.Path, data_args: 
   assert 'model' in auto['policy'] or set(auto['gammas_used']) == {'0'}
 
 
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_a_sampled_calibration_loop_pools_a_draw_per_round(
+    temperature: float, data_args: List[str], small_pair: pipeline.Pair,
+    monkeypatch: pytest.MonkeyPatch) -> None:
+  """`calibrate.measure`: a sampled loop draws its own samples each round and its run pools the
+  timed rounds' draws, at the median over rounds of ms per output position; a greedy loop is
+  one decode at its median ms. The rounds' seconds are injected (the passes still run)."""
+  seconds = [9.0, 1.0, 4.0, 2.0]  # the warm round, then 3 timed rounds
+  real = policy.round_robin
+
+  def injected(passes, repeats):
+    real(passes, repeats)
+    return {key: (seconds if key[0] == 'loop' else [1.0] * repeats) for key in passes}
+
+  monkeypatch.setattr(policy, 'round_robin', injected)
+  texts = data.load_split('test', data_dir=data_args[1])[0][:4]
+  pipe = pipeline.Pipeline(small_pair, batch_size=2, max_output_length=16)
+  decodes = []
+  decode = pipe.decode
+  monkeypatch.setattr(pipe, 'decode', lambda *args, seed, **kwargs: decodes.append(
+      (kwargs.get('gamma', 0), seed, decode(*args, seed=seed, **kwargs))) or decodes[-1][-1])
+  _, runs = calibrate.measure(small_pair, pipe, texts, [0, 1], temperature, 1, rounds=3)
+  for run in runs:
+    seeds = [seed for g, seed, _ in decodes if g == run.gamma]
+    timed = [d for g, _, d in decodes if g == run.gamma][2:]  # after the warm pass and round
+    if not temperature:  # one decode, its median ms
+      assert seeds == [0] * 5 and run.batches == 2 and run.ms == pytest.approx(2000.0)
+      continue
+    assert seeds == [0, 1, 2, 3, 4]  # the warm pass with the infer job's keys, then a draw each
+    assert len({d.tokens.tobytes() for d in timed}) == 3
+    assert run.batches == 3 * 2 and len(run.lengths) == 6
+    if run.gamma:
+      assert run.accepted == sum(int(d.stats['accepted'].sum()) for d in timed) > 0
+    positions = [sum(max(batch) for batch in run.lengths[2 * r:2 * r + 2]) for r in range(3)]
+    assert run.positions == sum(positions)
+    assert run.ms_per_position == pytest.approx(float(np.median(
+        [1e3 * s / p for s, p in zip(seconds[1:], positions)])))
+
+
 def test_calibrate_beam_search_then_the_pipeline_starts_from_it(
     tmp_path: pathlib.Path, data_args: List[str], small_pair: pipeline.Pair,
     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,6 +112,24 @@ def test_fit_recovers_the_overheads_and_predicts_the_other_gammas():
     costs.fit(truth, synthetic_runs(truth, 0.8, (1, 2)))
 
 
+def test_a_fit_term_held_at_zero_leaves_the_other_refitted():
+  # Unconstrained: 1.3 fixed and -0.1 per draft token. Held at 0, the fixed term is refitted
+  # alone (the mean), not left at 1.3.
+  a, b = np.array([[1.0, 1.0], [1.0, 4.0]]), np.array([1.2, 0.9])
+  np.testing.assert_allclose(costs.nonnegative_lstsq(a, b), [1.05, 0.0])
+  np.testing.assert_allclose(costs.nonnegative_lstsq(a, np.array([1.5, 2.7])), [1.1, 0.4])
+  np.testing.assert_allclose(costs.nonnegative_lstsq(a, -b), [0.0, 0.0])
+  # Loops whose overhead falls with gamma (their longer verify steps probed dear): the fit's own
+  # loops are priced on both sides of what they measured, not both dearer.
+  truth = model(overhead_per_token_ms=-0.05)
+  runs = synthetic_runs(truth, 0.8, (0, 1, 4))
+  fitted = costs.fit(model(plain_overhead_ms=0.0, overhead_ms=0.0, overhead_per_token_ms=0.0),
+                     runs)
+  assert fitted.overhead_per_token_ms == 0.0 and fitted.overhead_ms > 0
+  errors = [c['error'] for g, c in costs.check(fitted, runs, 0.8).items() if g]
+  assert min(errors) < 0 < max(errors), errors
+
+
 def test_a_batch_runs_until_its_slowest_row_is_done():
   # One row: the expected iterations to emit its positions, each emitting 1 + a run of
   # acceptances; at acceptance 0 one position each, at 1 gamma + 1 (the last one cut short).
@@ -383,6 +401,23 @@ def test_a_short_job_does_not_explore_what_the_model_rules_out():
     checked = costs.Calibration({1: 4}, {1: model()}, errors={1: error} if error else {})
     long_job, _ = policy.plan(pair, kwargs, calibration=checked, batch_size=1)
     assert (0 in run_job(long_job, [0.95] * 3 * policy.MODEL_TRUST)) == explores, error
+
+
+def test_the_search_looks_past_a_neighbour_the_model_rules_out():
+  """Started on gamma 4 with gamma 3 priced 12% slower (ruled out), the search still reaches
+  gamma 2, priced 2% slower by the model and 8% faster on the machine."""
+  kwargs = {'gamma': 'auto', 'temperature': 0.0}
+  pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
+  at = lambda g: model().ms_per_position(g, 0.85, lengths=[[12]])
+  priced = lambda gaps: {g: (1 + gap) * at(4) / at(g) for g, gap in gaps.items()}  # over 4
+  calibrated = model(corrections=priced({3: 0.12, 2: 0.02}))
+  machine = model(corrections=priced({3: 0.12, 2: -0.08}))
+  assert calibrated.ms_per_position(3, 0.85, lengths=[[12]]) > (
+      1 + policy.MODEL_SLACK) * calibrated.ms_per_position(4, 0.85, lengths=[[12]])
+  calibration = costs.Calibration({1: 4}, {1: calibrated})
+  decoding_policy, _ = policy.plan(pair, kwargs, calibration=calibration, batch_size=1)
+  chosen = run_job(decoding_policy, [0.85] * (policy.MODEL_TRUST - 1), machine=machine)
+  assert chosen[0] == 4 and 3 not in chosen and decoding_policy.best() == 2, chosen
 
 
 def test_the_calibrations_acceptance_guides_a_job_that_starts_without_speculation():
