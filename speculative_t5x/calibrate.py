@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -398,6 +399,15 @@ def markdown(results: Mapping[str, Any]) -> str:
   return '\n'.join(lines)
 
 
+def dumps(values: Mapping[str, Any]) -> str:
+  """calibration.json's text: indented, each list of numbers (or of such lists) on one line (a
+  sampled calibration's runs hold every draw's rows' output positions)."""
+  text = json.dumps(values, indent=1, default=float)
+  one_line = lambda m: ''.join(m.group(0).split()).replace(',', ', ')
+  text = re.sub(r'\[[-0-9.eE,\s]*\]', one_line, text)  # numbers
+  return re.sub(r'\[(\s*\[[-0-9.eE, ]*\],?)+\s*\]', one_line, text)  # lists of them
+
+
 def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]:
   """calibration.json, calibration.md and the two schedule gin files (module docstring); a
   beam search calibration (`beam_size`) has no gamma schedule and no t5x_schedule.gin."""
@@ -410,7 +420,7 @@ def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]
             if not beams else
             f'Beam search of {beams} beams: the trees predicted fastest are in calibration.json.']
   files = {
-      'calibration.json': json.dumps({**results, 'schedule': schedule}, indent=1, default=float),
+      'calibration.json': dumps({**results, 'schedule': schedule}),
       'calibration.md': markdown(results),
       't5x_schedule.gin': schedule_gin(
           schedule, 't5x_adapter.SpeculativeEncoderDecoderModel.gamma_schedule',

@@ -30,7 +30,8 @@ against the running choice's batches run around it: the machine's speed drifts b
 the differences sought), and the less favourable comparison counts. The first batch runs the
 fallback; then the running choice's neighbours (one step more or less speculative, the more
 speculative first, and the plain decoder, always within reach) are tried: a local search that
-stops where both neighbours are slower, so a job tries two to four choices, not all. A
+stops where both neighbours are slower (it looks past one that a calibrated model rules out
+untried), so a job tries two to four choices, not all. A
 neighbour replaces the running choice only once it is faster by a margin beyond the noise of
 the estimates (the noise of one batch pooled over the job's batches); while it may be
 faster, it (or the running choice, if that has fewer batches) runs again. Exploration is

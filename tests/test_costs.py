@@ -302,6 +302,15 @@ def test_calibrate_writes_a_schedule_for_t5x_and_for_the_infer_job(tmp_path):
           paths[3].read_text())
 
 
+def test_calibration_json_keeps_its_values_and_puts_each_list_of_numbers_on_a_line():
+  values = {'runs': [{'gamma': '(2,1)', 'lengths': [[12, 0], [7, 30]], 'ms': 1.5e-3}],
+            'schedule': {'1': [2, 1]}, 'names': ['a', 'b']}
+  text = calibrate.dumps(values)
+  assert json.loads(text) == values
+  assert '"lengths": [[12, 0], [7, 30]]' in text and '"1": [2, 1]' in text
+  assert '"names": [\n' in text  # (strings stay one a line)
+
+
 @pytest.mark.parametrize('argv,message', [
     (['--batch_sizes', '1,x'], '--batch_sizes wants integers'),
     (['--batch_sizes', '0'], '--batch_sizes must be >= 1'),
