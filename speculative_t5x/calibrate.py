@@ -12,7 +12,8 @@ round-robin rounds; from them the `costs.StepCosts` model of every gamma, its ov
 to the loops, and the acceptance the loops counted. --check times every other gamma's loop
 with them and reports the model's error on each (the other gammas are not used for the fit)
 and corrects its predictions by it. Sampling (--temperature > 0), each round draws its own
-samples, as a job's batches do, and a loop's counts pool every timed round's draws.
+samples, as a job's batches do, a loop's counts pool every timed round's draws, and --rounds
+defaults to 10 (5 otherwise).
 Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
 Each choice whose loop was timed has its predictions corrected by that loop's measured over
@@ -61,6 +62,9 @@ from speculative_t5x import policy
 OUTPUT_LENGTH = 64
 PROBE_ROUNDS = 7  # rounds of the step probes (cheap; their first round compiles and is dropped)
 LOOP_ROUNDS = 5
+# A sampled calibration's rounds, each its own draw: at T=1 five draws priced some gamma 11-15%
+# off its loop at batch 1 and 8, ten within 6.5% (results/cpu/policy_draws).
+SAMPLED_LOOP_ROUNDS = 10
 # Each probe call runs many steps (encodes): one short call per round is too noisy a sample
 # beside loops of seconds.
 ENCODE_REPEATS = 8
@@ -402,10 +406,22 @@ def markdown(results: Mapping[str, Any]) -> str:
 def dumps(values: Mapping[str, Any]) -> str:
   """calibration.json's text: indented, each list of numbers (or of such lists) on one line (a
   sampled calibration's runs hold every draw's rows' output positions)."""
-  text = json.dumps(values, indent=1, default=float)
-  one_line = lambda m: ''.join(m.group(0).split()).replace(',', ', ')
-  text = re.sub(r'\[[-0-9.eE,\s]*\]', one_line, text)  # numbers
-  return re.sub(r'\[(\s*\[[-0-9.eE, ]*\],?)+\s*\]', one_line, text)  # lists of them
+  lines: List[str] = []
+
+  def numbers(value: Any) -> bool:
+    return (isinstance(value, (int, float, np.number)) or
+            isinstance(value, (list, tuple)) and all(map(numbers, value)))
+
+  def marked(value: Any) -> Any:  # such a list as a marker string, written in one line later
+    if isinstance(value, dict):
+      return {k: marked(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and numbers(value):
+      lines.append(json.dumps(value, default=float))
+      return f'\0{len(lines) - 1}'
+    return [marked(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+  text = json.dumps(marked(values), indent=1, default=float)
+  return re.sub(r'"\\u0000(\d+)"', lambda m: lines[int(m.group(1))], text)
 
 
 def write(output_dir: Path, results: Dict[str, Any], command: str) -> List[Path]:
@@ -486,12 +502,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--beam_size', type=int, default=0,
                  help="calibrate beam search of this many beams instead (branching='auto': beam "
                       'search itself and its trees, all timed); the infer job\'s num_decodes')
-  p.add_argument('--rounds', type=int, default=LOOP_ROUNDS, help='timed round-robin rounds')
+  p.add_argument('--rounds', type=int, default=None,
+                 help=f'timed round-robin rounds (default {LOOP_ROUNDS}; sampling, each round a '
+                      f'draw: {SAMPLED_LOOP_ROUNDS})')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
   args.batch_sizes = _parse_ints(args.batch_sizes, '--batch_sizes')
   args.trees = _parse_trees(args.trees)
+  if args.rounds is None:
+    args.rounds = (SAMPLED_LOOP_ROUNDS if args.temperature > 0 and not args.beam_size else
+                   LOOP_ROUNDS)
   if min(args.batch_sizes) < 1:
     p.error(f'--batch_sizes must be >= 1, got {args.batch_sizes}')
   if args.max_gamma < 1 or args.sentences < 1 or args.rounds < 1:

@@ -447,7 +447,7 @@ class DecodingPolicy:
     line, i, j = self.line, self.line.index(self.current), self.line.index(choice)
     if abs(j - i) == 2:  # past a plateau, as slow as the measured neighbour in between if that
       middle = line[(i + j) // 2]  # is; past one the model rules out, as the model predicts
-      if self.records[middle].count:
+      if self.records[middle].count or self.alpha() is None:
         return max(0.0, -self._advantage(middle)[0])
       return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
     step = i - j  # toward the other side: its nearest measured choice

@@ -304,11 +304,18 @@ def test_calibrate_writes_a_schedule_for_t5x_and_for_the_infer_job(tmp_path):
 
 def test_calibration_json_keeps_its_values_and_puts_each_list_of_numbers_on_a_line():
   values = {'runs': [{'gamma': '(2,1)', 'lengths': [[12, 0], [7, 30]], 'ms': 1.5e-3}],
-            'schedule': {'1': [2, 1]}, 'names': ['a', 'b']}
+            'schedule': {'1': [2, 1]}, 'names': ['a', 'b'], 'command': 'x --lengths [1,2]'}
   text = calibrate.dumps(values)
   assert json.loads(text) == values
   assert '"lengths": [[12, 0], [7, 30]]' in text and '"1": [2, 1]' in text
-  assert '"names": [\n' in text  # (strings stay one a line)
+  assert '"names": [\n' in text and '"x --lengths [1,2]"' in text  # (strings as they were)
+
+
+def test_a_sampled_calibration_times_more_rounds_by_default(tmp_path):
+  rounds = lambda *argv: calibrate.parse_args(['--output_dir', str(tmp_path), *argv]).rounds
+  assert rounds() == rounds('--temperature', '1', '--beam_size', '4') == calibrate.LOOP_ROUNDS
+  assert rounds('--temperature', '1') == calibrate.SAMPLED_LOOP_ROUNDS > calibrate.LOOP_ROUNDS
+  assert rounds('--temperature', '1', '--rounds', '3') == 3
 
 
 @pytest.mark.parametrize('argv,message', [
