@@ -231,14 +231,12 @@ def _loop_pass(pipe: pipeline.Pipeline, texts: Sequence[str], name: str,
 
 def _loop_run(choice: costs.Choice, ms: np.ndarray, decodes: Sequence[pipeline.Decoded],
               batch_size: int, steps: Optional[Sequence[int]]) -> costs.LoopRun:
-  """A choice's `costs.LoopRun` from its timed rounds' ms: one decode's counts at the median
-  ms, or for several decodes (a sampled loop's draws, one per round) their counts pooled at
-  the median over rounds of ms per output position."""
+  """A choice's `costs.LoopRun` from its timed rounds' ms and decodes (one that every round
+  decoded, or a sampled loop's draws, one per round): their counts pooled, at the median over
+  rounds of ms per output position (one decode: its median ms)."""
   counts = [_counts(d, batch_size, steps) for d in decodes]
   pooled = {key: (sum((c[key] for c in counts), ()) if key == 'lengths' else
                   sum(c[key] for c in counts)) for key in counts[0]}
-  if len(counts) == 1:
-    return costs.LoopRun(choice, ms=float(np.median(ms)), **pooled)
   per_position = np.median(ms / np.array([c['positions'] for c in counts]))
   return costs.LoopRun(choice, ms=float(per_position * pooled['positions']), **pooled)
 

@@ -442,20 +442,24 @@ class DecodingPolicy:
     """How much slower than the running choice a batch of `choice` is expected to be."""
     if self.records[choice].count:
       return max(0.0, -self._advantage(choice)[0])
-    if choice not in self.line or self.current not in self.line:  # as the model predicts
-      return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
+    if choice not in self.line or self.current not in self.line:
+      return self._predicted_slowdown(choice)
     line, i, j = self.line, self.line.index(self.current), self.line.index(choice)
     if abs(j - i) == 2:  # past a plateau, as slow as the measured neighbour in between if that
       middle = line[(i + j) // 2]  # is; past one the model rules out, as the model predicts
       if self.records[middle].count or self.alpha() is None:
         return max(0.0, -self._advantage(middle)[0])
-      return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
+      return self._predicted_slowdown(choice)
     step = i - j  # toward the other side: its nearest measured choice
     others = [self.records[c] for c in (line[i + step::step] if i + step >= 0 else ())
               if self.records[c].count]
     if others and others[0].cost > self.records[self.current].cost:
       return 0.0  # the step from there to the running choice saved time: keep going
     return PRIOR_SLOWDOWN
+
+  def _predicted_slowdown(self, choice: Any) -> float:
+    """How much slower than the running choice the model predicts `choice` (0 if faster)."""
+    return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
 
   def _affordable(self, choice: Any) -> bool:
     """Whether a batch of `choice` keeps exploration within EXPLORE_SHARE of the job's time."""
