@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import re
 import sys
@@ -186,13 +187,17 @@ def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
             rounds: int = LOOP_ROUNDS, beams: int = 0
             ) -> Tuple[costs.StepCosts, List[costs.LoopRun]]:
   """The isolated step costs (overheads not yet fitted) and each choice's (gamma's or tree's)
-  real decode of `texts`, all timed in the same round-robin rounds (the machine's speed drifts
-  between minutes by more than the differences sought): a loop's median wall ms, and the loop
-  iterations and output positions it counted. A sampled loop (temperature > 0) draws its own
-  samples each round, as a job's batches do: one draw of 6 batches at batch 32 ranked choices
-  within a few % that a job's draws ranked otherwise; its run pools every timed round's draws
-  (`_loop_run`). beams: beam search of that many beams (the choices: () and trees), its steps
-  over batch x beams rows."""
+  real decode of `texts`: a loop's ms, and the loop iterations and output positions it counted.
+
+  The probes take turns in their own rounds, then the loops in theirs: timed in the same
+  rounds as the probes, T=1 batch 8's loops ranked gamma 1 to 4 within 1% with twice the
+  noise, where alone (and in jobs) gamma 1 and 2 ran 5-8% ahead of 3 and 4. A loop's ms per
+  output position is its median over rounds relative to the other loops in the same round
+  (`policy.paired_medians`). A sampled loop (temperature > 0) draws its own samples each round,
+  as a job's batches do (one draw of 6 batches at batch 32 ranked choices within a few % that a
+  job's draws ranked otherwise); its run pools every timed round's draws (`_loop_run`). beams:
+  beam search of that many beams (the choices: () and trees), its steps over batch x beams
+  rows."""
   widths = [b['encoder_input_tokens'].shape[1] for b in pipe.batches(texts)]
   calls = probes(pair, pipe.batch_size, max_gamma, int(np.median(widths)),
                  trees=[g for g in gammas if isinstance(g, tuple) and g], beams=max(beams, 1))
@@ -204,18 +209,20 @@ def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
     pipe.compile(texts, name, **kwargs)
     passes['loop', g] = _loop_pass(pipe, texts, name, kwargs, decodes[g], sampled)
     passes['loop', g]()  # warm
-  times = policy.round_robin({**{k: c for k, (c, _) in calls.items()}, **passes}, rounds + 1)
-  ms = {key: 1e3 * np.asarray(t[1:]) / (calls[key][1] if key in calls else 1)
-        for key, t in times.items()}  # the first round warms up
-  part_ms = lambda name: {k: float(np.median(v)) for (part, k), v in ms.items() if part == name}
+  probe_times = policy.round_robin({k: c for k, (c, _) in calls.items()}, rounds + 1)
+  loop_times = policy.round_robin(passes, rounds + 1)  # (each first round warms up)
+  ms = {key: 1e3 * np.median(t[1:]) / calls[key][1] for key, t in probe_times.items()}
+  part_ms = lambda name: {k: float(v) for (part, k), v in ms.items() if part == name}
   model = costs.StepCosts(pipe.batch_size, part_ms('target'), part_ms('draft'),
-                          batch_ms=float(np.median(ms['encode', 0])))
+                          batch_ms=float(ms['encode', 0]))
   steps = None
   if beams:  # counted per beam step: every choice takes beam_search's steps (the same search)
     steps = _beam_steps(decodes[next(g for g in gammas if g)][0], pipe.batch_size)
   timed = slice(2, None) if sampled else slice(-1, None)  # (warm pass, warm round, rounds)
-  return model, [_loop_run(g, ms['loop', g], decodes[g][timed], pipe.batch_size, steps)
-                 for g in gammas]
+  counts = {g: [_counts(d, pipe.batch_size, steps) for d in decodes[g][timed]] for g in gammas}
+  per_position = policy.paired_medians({g: [1e3 * s / c['positions'] for s, c in zip(
+      loop_times['loop', g][1:], itertools.cycle(counts[g]))] for g in gammas})
+  return model, [_loop_run(g, per_position[g], counts[g]) for g in gammas]
 
 
 def _loop_pass(pipe: pipeline.Pipeline, texts: Sequence[str], name: str,
@@ -229,16 +236,13 @@ def _loop_pass(pipe: pipeline.Pipeline, texts: Sequence[str], name: str,
   return one_pass
 
 
-def _loop_run(choice: costs.Choice, ms: np.ndarray, decodes: Sequence[pipeline.Decoded],
-              batch_size: int, steps: Optional[Sequence[int]]) -> costs.LoopRun:
-  """A choice's `costs.LoopRun` from its timed rounds' ms and decodes (one that every round
-  decoded, or a sampled loop's draws, one per round): their counts pooled, at the median over
-  rounds of ms per output position (one decode: its median ms)."""
-  counts = [_counts(d, batch_size, steps) for d in decodes]
+def _loop_run(choice: costs.Choice, ms_per_position: float,
+              counts: Sequence[Dict[str, Any]]) -> costs.LoopRun:
+  """A choice's `costs.LoopRun` at `ms_per_position` from the counts (`_counts`) of its timed
+  decodes (one that every round decoded, or a sampled loop's draws, one per round), pooled."""
   pooled = {key: (sum((c[key] for c in counts), ()) if key == 'lengths' else
                   sum(c[key] for c in counts)) for key in counts[0]}
-  per_position = np.median(ms / np.array([c['positions'] for c in counts]))
-  return costs.LoopRun(choice, ms=float(per_position * pooled['positions']), **pooled)
+  return costs.LoopRun(choice, ms=float(ms_per_position * pooled['positions']), **pooled)
 
 
 def _beam_steps(decoded: pipeline.Decoded, batch_size: int) -> List[int]:

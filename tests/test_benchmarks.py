@@ -163,14 +163,16 @@ def test_a_sampled_calibration_loop_pools_a_draw_per_round(
     temperature: float, data_args: List[str], small_pair: pipeline.Pair,
     monkeypatch: pytest.MonkeyPatch) -> None:
   """`calibrate.measure`: a sampled loop draws its own samples each round and its run pools the
-  timed rounds' draws, at the median over rounds of ms per output position; a greedy loop is
-  one decode at its median ms. The rounds' seconds are injected (the passes still run)."""
-  seconds = [9.0, 1.0, 4.0, 2.0]  # the warm round, then 3 timed rounds
-  real = policy.round_robin
+  timed rounds' draws, at its rounds' ms per output position paired with the other loop's
+  (`policy.paired_medians`); a greedy loop is one decode at its median ms. The probes take
+  turns in their own rounds. The rounds' seconds are injected (the passes still run)."""
+  seconds = {0: [9.0, 1.0, 4.0, 2.0], 1: [9.0, 3.0, 1.0, 2.5]}  # a warm round, 3 timed rounds
+  real, rounds = policy.round_robin, []
 
   def injected(passes, repeats):
     real(passes, repeats)
-    return {key: (seconds if key[0] == 'loop' else [1.0] * repeats) for key in passes}
+    rounds.append({key[0] for key in passes})
+    return {key: (seconds[key[1]] if key[0] == 'loop' else [1.0] * repeats) for key in passes}
 
   monkeypatch.setattr(policy, 'round_robin', injected)
   texts = data.load_split('test', data_dir=data_args[1])[0][:4]
@@ -180,21 +182,28 @@ def test_a_sampled_calibration_loop_pools_a_draw_per_round(
   monkeypatch.setattr(pipe, 'decode', lambda *args, seed, **kwargs: decodes.append(
       (kwargs.get('gamma', 0), seed, decode(*args, seed=seed, **kwargs))) or decodes[-1][-1])
   _, runs = calibrate.measure(small_pair, pipe, texts, [0, 1], temperature, 1, rounds=3)
+  assert rounds == [{'target', 'draft', 'encode'}, {'loop'}]  # the probes' rounds, the loops'
+  positions = {}
   for run in runs:
     seeds = [seed for g, seed, _ in decodes if g == run.gamma]
     timed = [d for g, _, d in decodes if g == run.gamma][2:]  # after the warm pass and round
     if not temperature:  # one decode, its median ms
-      assert seeds == [0] * 5 and run.batches == 2 and run.ms == pytest.approx(2000.0)
+      assert seeds == [0] * 5 and run.batches == 2
+      # Paired: the rounds' ratio 0.8 and product 4 (medians), not each one's own 2 and 2.5 s.
+      assert run.ms == pytest.approx(1e3 * np.sqrt({0: 4 * 0.8, 1: 4 / 0.8}[run.gamma]))
       continue
     assert seeds == [0, 1, 2, 3, 4]  # the warm pass with the infer job's keys, then a draw each
     assert len({d.tokens.tobytes() for d in timed}) == 3
     assert run.batches == 3 * 2 and len(run.lengths) == 6
     if run.gamma:
       assert run.accepted == sum(int(d.stats['accepted'].sum()) for d in timed) > 0
-    positions = [sum(max(batch) for batch in run.lengths[2 * r:2 * r + 2]) for r in range(3)]
-    assert run.positions == sum(positions)
-    assert run.ms_per_position == pytest.approx(float(np.median(
-        [1e3 * s / p for s, p in zip(seconds[1:], positions)])))
+    positions[run.gamma] = [sum(max(batch) for batch in run.lengths[2 * r:2 * r + 2])
+                            for r in range(3)]
+    assert run.positions == sum(positions[run.gamma])
+  if temperature:  # each round's ms per position, relative to the other loop's in that round
+    paired = policy.paired_medians({g: [1e3 * s / p for s, p in zip(seconds[g][1:], positions[g])]
+                                    for g in positions})
+    assert {run.gamma: run.ms_per_position for run in runs} == pytest.approx(paired)
 
 
 def test_calibrate_beam_search_then_the_pipeline_starts_from_it(

@@ -274,6 +274,18 @@ def test_round_robin_runs_passes_in_pieces_that_take_turns():
   assert times == {'a': [3.0, 3.0], 'b': [3.0, 3.0], 'whole': [5.0, 5.0]}
 
 
+def test_paired_medians_take_the_rounds_drift_out():
+  """b is 5% faster than a in two of three rounds and 8% slower in the third; the rounds' speeds
+  differ by up to 1.5x. Each key's own median ranks a ahead; the same rounds' ratios do not."""
+  times = {'a': [1.0, 1.5, 1.2], 'b': [0.95, 1.425, 1.3]}
+  assert np.median(times['a']) < np.median(times['b'])
+  medians = policy.paired_medians(times)
+  assert medians['b'] / medians['a'] == pytest.approx(0.95)
+  level = np.median(np.sqrt(np.multiply(times['a'], times['b'])))  # the rounds' geometric means
+  assert np.sqrt(medians['a'] * medians['b']) == pytest.approx(level)
+  assert policy.paired_medians({'alone': [3.0, 1.0, 2.0]}) == {'alone': pytest.approx(2.0)}
+
+
 def test_expected_tokens_is_the_papers_formula():
   assert costs.expected_tokens(0.0, 4) == 1.0
   assert costs.expected_tokens(1.0, 3) == 4.0
