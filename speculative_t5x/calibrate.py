@@ -7,14 +7,14 @@
 For each batch size, on the first --sentences inputs (one per line of --input_file, or
 Multi30k's test captions): the target's cached step for 1..max_gamma+1 tokens per row, the
 draft's and the encoders, each in isolation (`probes`), and the real decode loops of
---fit_gammas (the target alone and two speculative gammas by default), all timed in the same
-round-robin rounds; from them the `costs.StepCosts` model of every gamma, its overheads fitted
+--fit_gammas (the target alone and two speculative gammas by default), the probes taking turns
+in round-robin rounds, then the loops in theirs; from them the `costs.StepCosts` model of every gamma, its overheads fitted
 to the loops, and the acceptance the loops counted. --check times every other gamma's loop
 with them and reports the model's error on each (the other gammas are not used for the fit)
 and corrects its predictions by it. Sampling (--temperature > 0), each round draws its own
 samples, as a job's batches do, a loop's counts pool every timed round's draws, and --rounds
 defaults to 10 (5 otherwise).
-Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the same
+Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the loops'
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
 Each choice whose loop was timed has its predictions corrected by that loop's measured over
 predicted time (`costs.corrected`; the error reported is the model's before it). The choice
@@ -363,9 +363,9 @@ def markdown(results: Mapping[str, Any]) -> str:
            f"Devices: {results.get('devices', '')}; temperature {results.get('temperature')}.", '',
            'ms per output position of each gamma: predicted by the model (step costs measured in '
            'isolation, overheads fitted to the loops of the fit gammas) and measured (the real '
-           'loop, timed in the same rounds); tokens per loop iteration and the paper\'s alpha '
-           '(accepted / (accepted + rejected) draft tokens) as counted (sampled: over every timed '
-           'round\'s draws). Alpha is the chains\' '
+           'loop, its rounds paired with the other loops\'); tokens per loop iteration and the '
+           'paper\'s alpha (accepted / (accepted + rejected) draft tokens) as counted (sampled: '
+           'over every timed round\'s draws). Alpha is the chains\' '
            'over the fit gammas; a batch\'s loop runs until its slowest row is done, predicted '
            'from its rows\' output positions, times the spread: "predicted" is for all the '
            'runs\' batches, "predicted for its run" for that run\'s own (sampled outputs differ '
