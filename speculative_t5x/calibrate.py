@@ -8,12 +8,12 @@ For each batch size, on the first --sentences inputs (one per line of --input_fi
 Multi30k's test captions): the target's cached step for 1..max_gamma+1 tokens per row, the
 draft's and the encoders, each in isolation (`probes`), and the real decode loops of
 --fit_gammas (the target alone and two speculative gammas by default), the probes taking turns
-in round-robin rounds, then the loops in theirs; from them the `costs.StepCosts` model of every gamma, its overheads fitted
-to the loops, and the acceptance the loops counted. --check times every other gamma's loop
-with them and reports the model's error on each (the other gammas are not used for the fit)
-and corrects its predictions by it. Sampling (--temperature > 0), each round draws its own
-samples, as a job's batches do, a loop's counts pool every timed round's draws, and --rounds
-defaults to 10 (5 otherwise).
+in round-robin rounds, then the loops in theirs; from them the `costs.StepCosts` model of every
+gamma, its overheads fitted to the loops, and the acceptance the loops counted. --check times
+every other gamma's loop with them and reports the model's error on each (the other gammas are
+not used for the fit) and corrects its predictions by it. Sampling (--temperature > 0), each
+round draws its own samples, as a job's batches do, a loop's counts pool every timed round's
+draws, and --rounds defaults to 10 (5 otherwise).
 Each of --trees (token trees, `trees.tree_speculative_sample`) runs its real loop in the loops'
 rounds: its count gives its acceptance lift over the chains, its time the model's error on it.
 Each choice whose loop was timed has its predictions corrected by that loop's measured over
@@ -191,7 +191,7 @@ def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
 
   The probes take turns in their own rounds, then the loops in theirs: timed in the same
   rounds as the probes, T=1 batch 8's loops ranked gamma 1 to 4 within 1% with twice the
-  noise, where alone (and in jobs) gamma 1 and 2 ran 5-8% ahead of 3 and 4. A loop's ms per
+  noise, where alone (and in jobs) gamma 1 and 2 ran 3-8% ahead of 3 and 4. A loop's ms per
   output position is its median over rounds relative to the other loops in the same round
   (`policy.paired_medians`). A sampled loop (temperature > 0) draws its own samples each round,
   as a job's batches do (one draw of 6 batches at batch 32 ranked choices within a few % that a

@@ -201,8 +201,8 @@ def test_a_sampled_calibration_loop_pools_a_draw_per_round(
                             for r in range(3)]
     assert run.positions == sum(positions[run.gamma])
   if temperature:  # each round's ms per position, relative to the other loop's in that round
-    paired = policy.paired_medians({g: [1e3 * s / p for s, p in zip(seconds[g][1:], positions[g])]
-                                    for g in positions})
+    paired = policy.paired_medians(
+        {g: [1e3 * s / p for s, p in zip(seconds[g][1:], positions[g])] for g in positions})
     assert {run.gamma: run.ms_per_position for run in runs} == pytest.approx(paired)
 
 
