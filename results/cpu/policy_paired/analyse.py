@@ -1,5 +1,5 @@
 """Paired speedups over gamma 0 (per round, then geometric mean and median over rounds) in the
-rounds with and without the probes: python analyse.py probes_in_rounds.json"""
+rounds with and without the probes: python analyse.py probes_in_rounds_b8.json"""
 import json, sys, numpy as np
 rows = [x for x in json.load(open(sys.argv[1])) if x['round'] > 0]
 G = sorted({x['gamma'] for x in rows})
