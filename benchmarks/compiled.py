@@ -29,6 +29,8 @@ import numpy as np
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute',
                'collective-broadcast')
+# Instructions that move data between host and device (a loop body should hold none).
+HOST_TRANSFERS = ('send', 'recv', 'send-done', 'recv-done', 'infeed', 'outfeed')
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16,
                 'f8e4m3fn': 1, 'f8e5m2': 1, 'token': 0}
@@ -121,6 +123,13 @@ class Module:
     return out
 
 
+def entry_ops(module: Module) -> int:
+  """Ops a program's ENTRY runs (fusions, dots, copies, collectives, ...), not counting
+  parameters, constants and tuple plumbing: the kernel launches of a straight-line program."""
+  plumbing = ('parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast')
+  return sum(i.opcode not in plumbing for i in module.computations[module.entry])
+
+
 def collectives(instructions: List[Instruction]) -> Dict[str, Dict[str, int]]:
   """{kind: {'count', 'bytes'}} of the collectives among `instructions` (result bytes; an async
   pair counts once, at its start)."""
@@ -152,7 +161,9 @@ def loop_report(text: str, big_bytes: int) -> List[Dict[str, Any]]:
     # it converts each cache layer up and back around its in-place update.
     converts = [i for i in own if i.bytes >= big_bytes and (
         i.opcode == 'convert' or (i.opcode == 'fusion' and i.name.startswith('wrapped_convert')))]
-    out.append({'while': name, 'body': body,
+    host = [i for i in own if i.opcode in HOST_TRANSFERS or (
+        i.opcode == 'custom-call' and 'host' in i.rest.lower())]
+    out.append({'while': name, 'body': body, 'host_transfers': len(host),
                 'nested': [b for _, b in module.whiles(body)],
                 'collectives': collectives(own),
                 'big_copies': [{'name': i.name, 'shape': i.shape, 'bytes': i.bytes} for i in big],
@@ -175,8 +186,11 @@ def cost(compiled: Any) -> Dict[str, float]:
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0] if analysis else {}
-  return {'flops': float(analysis.get('flops', 0.0)),
-          'bytes_accessed': float(analysis.get('bytes accessed', 0.0))}
+  out = {'flops': float(analysis.get('flops', 0.0)),
+         'bytes_accessed': float(analysis.get('bytes accessed', 0.0))}
+  if 'optimal_seconds' in analysis:  # XLA:TPU's own estimate of the program's time
+    out['optimal_seconds'] = float(analysis['optimal_seconds'])
+  return out
 
 
 def sharded_bytes(tree: Any, shardings: Any) -> int:
@@ -234,6 +248,7 @@ def summarize_loops(loops: List[Dict[str, Any]]) -> Mapping[str, Any]:
   return {'outer': outer['collectives'],
           'inner': inner['collectives'] if inner else {},
           'big_copies': sum(len(l['big_copies']) for l in loops),
+          'host_transfers': sum(l['host_transfers'] for l in loops),
           'big_converts': {'outer': outer['big_converts'],
                            'inner': inner['big_converts'] if inner else 0}}
 

@@ -160,7 +160,7 @@ def step_program(config: network.T5Config, params: Any, decode_vars: Any,
   program, seconds = xla.time_compile(
       lambda: fn.lower(params, decode_vars, tokens, cache).compile())
   module_text = xla.Module.parse(program.as_text())
-  return {'compile_s': seconds, **xla.cost(program),
+  return {'compile_s': seconds, **xla.cost(program), 'ops': xla.entry_ops(module_text),
           'collectives': xla.collectives(module_text.instructions(module_text.entry,
                                                                   into_loops=True))}
 
@@ -314,12 +314,24 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--projection_gammas', default='3,5,7', help='gammas of the projection')
   p.add_argument('--placements', default=','.join(PLACEMENTS),
                  help='draft placements of the speculative programs')
-  p.add_argument('--param_dtype', default='float32',
-                 help="parameters' dtype (T5X keeps float32 parameters, bfloat16 activations)")
+  p.add_argument('--param_dtype', default=None,
+                 help="parameters' dtype (default float32 as T5X keeps them, activations "
+                      'bfloat16; with --platform tpu bfloat16, as a TPU job serves them)')
   p.add_argument('--t5x_python', default=None,
                  help="python of an environment with T5X: adds T5X's temperature_sample")
   p.add_argument('--t5x_pythonpath', default='', help='extra PYTHONPATH entries for it')
   p.add_argument('--resume', action='store_true', help='keep the blocks already in the JSON')
+  p.add_argument('--platform', default='cpu', choices=('cpu', 'tpu'),
+                 help='cpu: 8 fake CPU devices; tpu: XLA:TPU programs for --topology '
+                      '(needs libtpu; benchmarks.tpu)')
+  p.add_argument('--topology', default='v4:1x1x1,v5e:2x4,v5p:2x2x1,v6e:2x4',
+                 help='TPU topologies, with --platform tpu')
+  p.add_argument('--drafts', default='small,small-dec2',
+                 help='with --platform tpu: the drafts (benchmarks.tpu.DRAFTS)')
+  p.add_argument('--gamma', type=int, default=3,
+                 help='with --platform tpu: the predict programs\' gamma (--gammas: iterations)')
+  p.add_argument('--tpu_meshes', default='model',
+                 help="with --platform tpu: 'model' (1 x n), 'both' (2 x n/2), 'data' (n x 1)")
   p.add_argument('--tiny', action='store_true',
                  help='tiny target and draft, input 16 / output 8 (seconds; the tests)')
   args = p.parse_args(argv)
@@ -334,6 +346,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   args.gammas = harness.parse_ints(args.gammas, '--gammas')
   args.projection_gammas = harness.parse_ints(args.projection_gammas, '--projection_gammas')
   args.placements = [p for p in args.placements.split(',') if p]
+  args.param_dtype = args.param_dtype or ('bfloat16' if args.platform == 'tpu' else 'float32')
   return args
 
 
@@ -364,6 +377,9 @@ def read_t5x(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   args = parse_args(argv)
+  if args.platform == 'tpu':
+    from benchmarks import tpu  # pylint: disable=g-import-not-at-top
+    return tpu.main(args, argv)
   if jax.device_count() < DEVICES:
     raise SystemExit(f'error: benchmarks.scale needs {DEVICES} devices; run it as its own '
                      'process (it sets --xla_force_host_platform_device_count=8 before JAX '

@@ -41,6 +41,7 @@ prompt already in the caches (T5X's `initial_index`) starts its row at a later p
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import flax
@@ -444,6 +445,7 @@ class _LoopConfig(NamedTuple):
   eos_id: int
   noise_period: int = 0
   block: bool = False  # block verification (speculative rule, lenience 1) instead of per token
+  unroll_draft: bool = False  # the draft's gamma calls as straight-line code, no inner loop
 
   @property
   def greedy(self) -> bool:
@@ -512,7 +514,15 @@ def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, f
     draft, rng = propose(i, logits[:, 0], draft, rng)
     return i + 1, cache, draft, rng
 
-  _, cache, draft, _ = jax.lax.while_loop(cond, body, (jnp.array(1), cache, draft, rng))
+  loop = (jnp.array(1), cache, draft, rng)
+  if cfg.unroll_draft:
+    # Every call runs: a row that stopped proposes nothing more (`drafting` masks it) and its
+    # cache entries past the proposals are overwritten before they are read.
+    for _ in range(1, cfg.gamma):
+      loop = body(loop)
+  else:
+    loop = jax.lax.while_loop(cond, body, loop)
+  _, cache, draft, _ = loop
   return draft, cache
 
 
@@ -689,6 +699,53 @@ def _count(stats: DecodeStats, active: Array, draft: Optional[Draft], verdict: V
       rollbacks=stats.rollbacks + (rejected & active))
 
 
+def _iteration(cfg: _LoopConfig, target_fn: TokensToLogits, draft_fn: Optional[TokensToLogits],
+               forced: Array, limit: Array, state: LoopState) -> LoopState:
+  """One draft-verify iteration: draft up to cfg.gamma tokens, verify them in one target call,
+  commit. forced [batch, L + gamma + 2] and limit [batch] are `start_loop`'s."""
+  batch = state.length.shape[0]
+  rows = jnp.arange(batch)
+  gamma = cfg.gamma
+  offsets = jnp.arange(gamma + 1)
+  rng = state.rng
+  draft_rng = accept_rng = extra_rng = None
+  if not cfg.greedy and gamma:
+    rng, draft_rng, accept_rng, extra_rng = jax.random.split(rng, 4)
+  elif not cfg.greedy:
+    # T5X's key stream: one split a step, the first key draws, the second is carried.
+    extra_rng, rng = jax.random.split(rng)
+  draft, draft_cache = None, state.draft_cache
+  proposals = jnp.zeros((batch, 0), jnp.int32)
+  if gamma:
+    draft, draft_cache = _draft_phase(cfg, state, draft_fn, forced, limit,
+                                      None if cfg.greedy else draft_rng)
+    proposals = draft.tokens
+
+  # Verify: the row's last token and its proposals, in one call at the row's position.
+  chunk = jnp.concatenate([state.sequences[rows, state.length][:, None], proposals], axis=1)
+  logits, target_cache = _call(target_fn, chunk, state.length, state.target_cache,
+                               state.sequences)
+  forced_chunk = forced[rows[:, None], state.length[:, None] + 1 + offsets]  # [batch, gamma + 1]
+  if cfg.greedy:
+    verdict = _verify_greedy(cfg, logits, forced_chunk, draft)
+  else:
+    verdict = _verify_sampled(cfg, logits, forced_chunk, draft, accept_rng, extra_rng)
+
+  sequences, length, ended, count, log_prob = _commit(cfg, state, verdict, proposals,
+                                                      forced_chunk, limit)
+  new_gamma = state.gamma
+  if cfg.adaptive_gamma:
+    # HF's heuristic: lengthen after a fully accepted draft, shorten after a rejection.
+    rejected = verdict.num_accepted < draft.num_proposed
+    new_gamma = jnp.where(rejected, jnp.maximum(state.gamma - 1, 1),
+                          jnp.minimum(state.gamma + 2, gamma))
+    new_gamma = jnp.where(state.ended, state.gamma, new_gamma)
+  return LoopState(sequences=sequences, length=length, ended=ended, target_cache=target_cache,
+                   draft_cache=draft_cache, gamma=new_gamma,
+                   log_prob=state.log_prob + log_prob, rng=rng,
+                   stats=_count(state.stats, ~state.ended, draft, verdict, count))
+
+
 def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
                        target_fn: TokensToLogits, draft_cache: Any,
                        draft_fn: Optional[TokensToLogits], rng: Array,
@@ -700,52 +757,10 @@ def _draft_verify_loop(cfg: _LoopConfig, inputs: Array, target_cache: Any,
   initial_index: optional [batch] int32, rows whose caches (target and draft) already hold
   positions 0..initial_index - 1; such a row starts by feeding inputs[:, initial_index] there.
   """
-  batch, max_len = inputs.shape
-  gamma = cfg.gamma
-  rows = jnp.arange(batch)
-  offsets = jnp.arange(gamma + 1)
-  init, forced, limit = start_loop(inputs, target_cache, draft_cache, rng, gamma,
+  max_len = inputs.shape[1]
+  init, forced, limit = start_loop(inputs, target_cache, draft_cache, rng, cfg.gamma,
                                    max_decode_steps, initial_index)
-
-  def body(state: LoopState) -> LoopState:
-    rng = state.rng
-    draft_rng = accept_rng = extra_rng = None
-    if not cfg.greedy and gamma:
-      rng, draft_rng, accept_rng, extra_rng = jax.random.split(rng, 4)
-    elif not cfg.greedy:
-      # T5X's key stream: one split a step, the first key draws, the second is carried.
-      extra_rng, rng = jax.random.split(rng)
-    draft, draft_cache = None, state.draft_cache
-    proposals = jnp.zeros((batch, 0), jnp.int32)
-    if gamma:
-      draft, draft_cache = _draft_phase(cfg, state, draft_fn, forced, limit,
-                                        None if cfg.greedy else draft_rng)
-      proposals = draft.tokens
-
-    # Verify: the row's last token and its proposals, in one call at the row's position.
-    chunk = jnp.concatenate([state.sequences[rows, state.length][:, None], proposals], axis=1)
-    logits, target_cache = _call(target_fn, chunk, state.length, state.target_cache,
-                                 state.sequences)
-    forced_chunk = forced[rows[:, None], state.length[:, None] + 1 + offsets]  # [batch, gamma + 1]
-    if cfg.greedy:
-      verdict = _verify_greedy(cfg, logits, forced_chunk, draft)
-    else:
-      verdict = _verify_sampled(cfg, logits, forced_chunk, draft, accept_rng, extra_rng)
-
-    sequences, length, ended, count, log_prob = _commit(cfg, state, verdict, proposals,
-                                                        forced_chunk, limit)
-    new_gamma = state.gamma
-    if cfg.adaptive_gamma:
-      # HF's heuristic: lengthen after a fully accepted draft, shorten after a rejection.
-      rejected = verdict.num_accepted < draft.num_proposed
-      new_gamma = jnp.where(rejected, jnp.maximum(state.gamma - 1, 1),
-                            jnp.minimum(state.gamma + 2, gamma))
-      new_gamma = jnp.where(state.ended, state.gamma, new_gamma)
-    return LoopState(sequences=sequences, length=length, ended=ended, target_cache=target_cache,
-                     draft_cache=draft_cache, gamma=new_gamma,
-                     log_prob=state.log_prob + log_prob, rng=rng,
-                     stats=_count(state.stats, ~state.ended, draft, verdict, count))
-
+  body = functools.partial(_iteration, cfg, target_fn, draft_fn, forced, limit)
   final = jax.lax.while_loop(lambda s: ~jnp.all(s.ended), body, init)
   return final.sequences[:, 1:max_len + 1], final.log_prob, final.stats
 
@@ -989,7 +1004,8 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                        initial_index: Optional[Array] = None,
                        max_decode_steps: Optional[Union[int, Array]] = None,
                        rescale_log_probs: bool = True, return_stats: bool = False,
-                       rule: Optional[VerifyRule] = None, verification: str = 'auto'):
+                       rule: Optional[VerifyRule] = None, verification: str = 'auto',
+                       unroll_draft: bool = False):
   """Speculative sampling (Leviathan, Kalman, Matias 2023): the target's distribution, faster.
 
   `cache`/`tokens_to_logits` are the target's, `draft_cache`/`draft_tokens_to_logits` the
@@ -1015,6 +1031,9 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
   temperature_sample defaults to topk=1). Each row draws its own noise.
   initial_index: prefilled prompts (see the comment above `temperature_sample`); the target and
     the draft caches must both hold positions 0..initial_index - 1.
+  unroll_draft: the draft's gamma calls as straight-line code instead of an inner while loop:
+    always gamma calls, but no loop condition between them (on a GPU, a device-to-host sync
+    per draft call unless XLA captures while loops in command buffers). Same outputs.
   Returns as `temperature_sample`.
   """
   if gamma == 'auto':
@@ -1037,7 +1056,8 @@ def speculative_sample(inputs: Array, cache: Any, tokens_to_logits: TokensToLogi
                     temperature=temperature, topk=topk, topp=topp,
                     rescale_log_probs=rescale_log_probs,
                     confidence_threshold=draft_confidence_threshold,
-                    adaptive_gamma=adaptive_gamma, eos_id=eos_id, block=block)
+                    adaptive_gamma=adaptive_gamma, eos_id=eos_id, block=block,
+                    unroll_draft=unroll_draft)
   return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
                  decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats,
                  initial_index)
@@ -1071,3 +1091,20 @@ def bild_decode(inputs: Array, cache: Any, tokens_to_logits: TokensToLogits, dra
   return _decode(cfg, inputs, cache, tokens_to_logits, draft_cache, draft_tokens_to_logits,
                  decode_rng, num_decodes, cache_offset, max_decode_steps, return_stats,
                  initial_index)
+
+
+def loop_iteration(state: LoopState, forced: Array, limit: Array,
+                   tokens_to_logits: TokensToLogits,
+                   draft_tokens_to_logits: Optional[TokensToLogits], eos_id: int, gamma: int,
+                   temperature: float = 0.0, verification: str = 'auto') -> LoopState:
+  """One iteration of `speculative_sample`'s loop (gamma 0: `temperature_sample`'s) from
+  `start_loop`'s (state, forced, limit), the draft unrolled to its gamma calls: a program with
+  no loop, for compiled-cost analysis (XLA counts a while body once, and XLA:TPU gives no time
+  estimate for a program that holds a loop). Exact settings only: no prompt, lenience 1.
+  """
+  block = gamma > 0 and resolve_verification(verification, gamma, temperature) == 'block'
+  greedy = temperature <= MIN_TEMPERATURE
+  cfg = _LoopConfig(gamma=gamma, rule=speculative_rule(1.0, greedy), temperature=temperature,
+                    topk=0, topp=0.0, rescale_log_probs=True, confidence_threshold=0.0,
+                    adaptive_gamma=False, eos_id=eos_id, block=block, unroll_draft=True)
+  return _iteration(cfg, tokens_to_logits, draft_tokens_to_logits, forced, limit, state)

@@ -466,6 +466,61 @@ def test_bild_fallback_and_rollback_counts_on_a_hand_built_case():
 # Compile once per shape; the model object.
 
 
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_unrolled_draft_decodes_as_the_draft_loop(temperature):
+  """unroll_draft runs every draft call; the rows that stopped propose nothing more, so the
+  tokens, the draws (same key) and the statistics are the loop's."""
+  batch = 5
+  enc = ragged_tokens(jax.random.PRNGKey(3), batch, 9, CFG.vocab_size)
+
+  @functools.partial(jax.jit, static_argnames='unroll')
+  def run(unroll):
+    cache, t2l = start_decoding(*TARGET, enc, MAX_LEN)
+    draft_cache, d2l = start_decoding(*DRAFTS['noisy'], enc, MAX_LEN)
+    inputs = jnp.zeros((batch, MAX_LEN), jnp.int32)
+    return decoding.speculative_sample(
+        inputs, cache, t2l, draft_cache, d2l, NO_EOS, decode_rng=jax.random.PRNGKey(4), gamma=4,
+        temperature=temperature, adaptive_gamma=True, draft_confidence_threshold=0.3,
+        return_stats=True, unroll_draft=unroll)
+
+  loop, unrolled = run(False), run(True)
+  assert 0 < float(np.asarray(loop[2].accepted).sum()) < float(np.asarray(loop[2].proposed).sum())
+  for a, b in zip(jax.tree.leaves(loop), jax.tree.leaves(unrolled)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_loop_iteration_commits_the_decodes_first_tokens():
+  """`loop_iteration`, the straight-line program the compiled-cost benchmarks read, is one
+  iteration of the decoder: what it commits starts the full decode."""
+  batch, gamma = 4, 3
+  enc = ragged_tokens(jax.random.PRNGKey(5), batch, 9, CFG.vocab_size)
+  inputs = jnp.zeros((batch, MAX_LEN), jnp.int32)
+
+  @functools.partial(jax.jit, static_argnames='draft')
+  def run(draft):
+    cache, t2l = start_decoding(*TARGET, enc, MAX_LEN)
+    draft_cache, d2l = start_decoding(*DRAFTS[draft], enc, MAX_LEN)
+    state, forced, limit = decoding.start_loop(inputs, cache, draft_cache, jax.random.PRNGKey(0),
+                                               gamma, None, None)
+    one = decoding.loop_iteration(state, forced, limit, t2l, d2l, NO_EOS, gamma)
+    full = decoding.speculative_sample(inputs, cache, t2l, draft_cache, d2l, NO_EOS,
+                                       temperature=0.0, gamma=gamma)[0][:, 0]
+    return one, full
+
+  for draft in ('same', 'unrelated'):
+    one, full = run(draft)
+    length = np.asarray(one.length)
+    # The target itself as draft: every proposal and the bonus token; an unrelated one: mostly
+    # the target's own token after a rejection.
+    if draft == 'same':
+      np.testing.assert_array_equal(length, gamma + 1)
+    assert (length >= 1).all() and (length <= gamma + 1).all()
+    for row in range(batch):
+      np.testing.assert_array_equal(np.asarray(one.sequences)[row, 1:length[row] + 1],
+                                    np.asarray(full)[row, :length[row]])
+    np.testing.assert_array_equal(np.asarray(one.stats.target_calls), 1)
+
+
 def test_each_loop_compiles_once_per_shape():
   traces = []
 
