@@ -13,16 +13,21 @@ all positions: no EOS), round-robin over --rounds. Beside each step: its rooflin
 and the --hardware entry of `roofline.HARDWARE`, detected from the device kind); beside each
 speculative loop: the time its measured steps predict (target calls x (draft steps + verify)),
 and the cache-sized copies and dtype conversions inside its compiled loop bodies on this backend.
-Random weights accept few draft tokens, so the loops check the cost model, not the speedup.
-The default sweep fits in about 10 minutes on one H100-class GPU (compilation included).
+Random weights accept few draft tokens; --alpha A makes the speculative loops accept each draft
+token with probability A instead (`fixed_acceptance_rule`, sampling at T=1: a rule for
+benchmarks only, never offered to users), so that a loop at a real pair's acceptance is timed at
+sizes whose weights no one ships here, and `verdict` says whether it pays and how it compares
+with the paper's formula at the measured c. --unroll_draft adds each speculative loop with its
+draft calls unrolled (`speculative_sample(unroll_draft=True)`: no draft while loop).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import compiled as xla
@@ -30,12 +35,22 @@ from benchmarks import harness
 from benchmarks import roofline
 from benchmarks.harness import Setting
 from benchmarks import scale
+from speculative_t5x import costs
+from speculative_t5x import decoding
 from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import policy
 
 NAME = 'accelerator'
 TINY_SHAPES = (16, 8)  # input, output length under --tiny
+
+
+def fixed_acceptance_rule(alpha: float) -> decoding.VerifyRule:
+  """FOR BENCHMARKS ONLY: accepts each draft token with probability alpha whatever the models
+  say, and draws the correction from the target. The output is not the target's distribution;
+  it times a loop at a chosen acceptance with random weights."""
+  return decoding.VerifyRule(lambda p, q, p_raw, x: jnp.full(x.shape, alpha, jnp.float32),
+                             lambda p, q: p)
 
 
 def detect_hardware() -> Optional[str]:
@@ -74,16 +89,34 @@ def step_projections(pair: Any, batch: int, ks: Mapping[str, Sequence[int]],
   return out
 
 
-def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], rounds: int
-          ) -> Dict[str, Any]:
-  """ms per pass of target-only and speculative greedy loops over one random batch, with each
-  speculative loop's target calls and accepted drafts."""
+def loop_settings(gammas: Sequence[int], alpha: Optional[float], unroll: bool
+                  ) -> Dict[str, Tuple[Setting, Dict[str, Any]]]:
+  """{name: (setting, decode overrides)}: target-only greedy, then speculative at each gamma
+  (greedy; with alpha, the benchmark-only fixed-acceptance rule at T=1), then unrolled."""
+  out = {'target-only': (Setting('baseline'), {})}
+  for unrolled in (False, True) if unroll else (False,):
+    for g in gammas:
+      setting = Setting('speculative', gamma=g, temperature=0.0 if alpha is None else 1.0,
+                        verification='token')
+      overrides = {'unroll_draft': unrolled}
+      if alpha is not None:
+        overrides['rule'] = fixed_acceptance_rule(alpha)
+      name = f'gamma {g}' + (f' alpha {alpha:g}' if alpha is not None else ' greedy')
+      out[name + (' unrolled' if unrolled else '')] = (setting, overrides)
+  return out
+
+
+def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], rounds: int,
+          alpha: Optional[float] = None, unroll: bool = False) -> Dict[str, Any]:
+  """ms per pass of the `loop_settings` loops over one random batch (no row stops early),
+  with each speculative loop's target calls and accepted drafts."""
   rng = np.random.default_rng(0)
   tokens = {'encoder_input_tokens': rng.integers(3, 100, (batch, shapes[0])).astype(np.int32),
             'decoder_input_tokens': np.zeros((batch, shapes[1]), np.int32)}
   batches = [partitioning.shard_batch(tokens, harness.partitioner().mesh)]
-  settings = [Setting('baseline')] + [Setting('speculative', gamma=g) for g in gammas]
-  compiled = {s.name: harness.compile_setting(s, pair, batches, eos_id=-1) for s in settings}
+  settings = loop_settings(gammas, alpha, unroll)
+  compiled = {name: harness.compile_setting(s, pair, batches, eos_id=-1, decode_overrides=o)
+              for name, (s, o) in settings.items()}
   outputs = harness.warm({n: c.one_pass for n, c in compiled.items()})
   times = policy.round_robin({n: c.one_pass for n, c in compiled.items()}, rounds)
   # One self-attention cache layer of the target: a copy or conversion this large inside a
@@ -91,18 +124,20 @@ def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], r
   config = pair.configs['target']
   layer = batch * config.num_heads * config.head_dim * shapes[1] * np.dtype(config.dtype).itemsize
   out = {}
-  for setting in settings:
-    c = compiled[setting.name]
+  for name, (setting, overrides) in settings.items():
+    c = compiled[name]
     text = c.predictor.compile(None, batches[0], c.rngs[0]).as_text()
     loops_seen = xla.summarize_loops(xla.loop_report(text, layer))
-    row = {'ms_per_pass': harness.ms_per(times[setting.name], 1),
+    row = {'ms_per_pass': harness.ms_per(times[name], 1),
            'compile_s': c.info()['compile_s'], 'cache_sized_copies': loops_seen['big_copies'],
            'cache_sized_converts': loops_seen['big_converts']}
-    stats = harness.collect(outputs[setting.name], batch)['stats']
+    stats = harness.collect(outputs[name], batch)['stats']
     if stats:
       row.update(target_calls=int(np.max(stats['target_calls'])),
-                 accepted=int(stats['accepted'].sum()), gamma=setting.gamma)
-    out[setting.name] = row
+                 accepted=int(stats['accepted'].sum()), proposed=int(stats['proposed'].sum()),
+                 rejected=int(stats['rollbacks'].sum()), gamma=setting.gamma,
+                 unrolled=overrides.get('unroll_draft', False))
+    out[name] = row
   return out
 
 
@@ -119,7 +154,8 @@ def block(size: str, batch: int, args: argparse.Namespace) -> Dict[str, Any]:
   for name, widths in timed.items():
     for k, ms in widths.items():
       steps[name][str(k)]['measured_ms'] = ms
-  loop = loops(pair, batch, args.gammas, shapes, args.rounds)
+  loop = loops(pair, batch, args.gammas, shapes, args.rounds, args.alpha, args.unroll_draft)
+  c = timed['draft'][1] / timed['target'][1]
   for row in loop.values():
     g = row.get('gamma', 0)
     # Each iteration: a 2-token draft call, g - 1 one-token calls, one verify call (g = 0: one
@@ -127,12 +163,35 @@ def block(size: str, batch: int, args: argparse.Namespace) -> Dict[str, Any]:
     iteration = timed['target'][g + 1] + (
         timed['draft'][2] + (g - 1) * timed['draft'][1] if g else 0.0)
     row['predicted_ms'] = row.get('target_calls', shapes[1]) * iteration
+    row['speedup'] = loop['target-only']['ms_per_pass'] / row['ms_per_pass']
+    if g:
+      alpha = costs.row_alpha(row['accepted'], row['rejected'])
+      row.update(alpha=alpha, c=c, tokens_per_call=shapes[1] / row['target_calls'],
+                 verify=timed['target'][g + 1] / timed['target'][1],
+                 paper_formula=costs.expected_tokens(alpha, g) / (g * c + 1))
   return {'steps': steps, 'loops': loop, 'shapes': list(shapes)}
+
+
+def verdict(key: str, b: Mapping[str, Any]) -> str:
+  """Whether speculation pays in a block: its fastest speculative loop against the target
+  alone, and against the paper's formula at the measured acceptance and c."""
+  name, best = max(((n, r) for n, r in b['loops'].items() if r.get('gamma')),
+                   key=lambda item: item[1]['speedup'])
+  return (f"{key}: {'pays' if best['speedup'] > 1 else 'does not pay'}: {name} runs "
+          f"{best['speedup']:.2f}x the target alone (α {best['alpha']:.2f}, "
+          f"{best['tokens_per_call']:.2f} tokens per call, c {best['c']:.3f}, verify "
+          f"{best['verify']:.2f}x a step); the paper's formula at that α and c: "
+          f"{best['paper_formula']:.2f}x, reached {best['speedup'] / best['paper_formula']:.0%}.")
 
 
 def markdown(results: Mapping[str, Any]) -> str:
   lines = harness.heading('Accelerator: steps and loops at T5 1.1 shapes', results)
-  lines += [f"Hardware entry of the projection: {results['meta']['hardware']}.", '']
+  alpha = results['meta'].get('alpha')
+  lines += [f"Hardware entry of the projection: {results['meta']['hardware']}. " + (
+      f'Speculative loops accept each draft token with probability {alpha:g} '
+      '(`fixed_acceptance_rule`, benchmarks only).' if alpha is not None else
+      'Speculative loops greedy (random weights: few draft tokens accepted).'), '']
+  lines += [f'- {verdict(key, b)}' for key, b in results['blocks'].items()] + ['']
   for key, b in results['blocks'].items():
     lines += [f'## {key} (input, output: {b["shapes"]})', '']
     lines += harness.table(
@@ -162,16 +221,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   p.add_argument('--param_dtype', default='bfloat16')
   p.add_argument('--hardware', default=None, help=f'one of {list(roofline.HARDWARE)}')
   p.add_argument('--tiny', action='store_true', help='tiny configs and shapes (any machine)')
+  p.add_argument('--alpha', type=float, default=None,
+                 help='benchmarks only: accept each draft token with this probability '
+                      '(fixed_acceptance_rule; T=1)')
+  p.add_argument('--unroll_draft', action='store_true',
+                 help='also time each speculative loop with its draft calls unrolled')
   args = p.parse_args(argv)
   args.gammas = harness.parse_ints(args.gammas, '--gammas')
   args.hardware = args.hardware or detect_hardware()
-  results = {'meta': harness.meta(NAME, argv, args, hardware=args.hardware,
+  if args.alpha is not None and not 0 <= args.alpha <= 1:
+    raise SystemExit(f'error: --alpha must be in [0, 1], got {args.alpha}')
+  results = {'meta': harness.meta(NAME, argv, args, hardware=args.hardware, alpha=args.alpha,
                                   param_dtype=args.param_dtype), 'blocks': {}}
   for size in (['tiny'] if args.tiny else args.sizes.split(',')):
     for batch in harness.parse_ints(args.batches, '--batches'):
       results['blocks'][f'{size} b{batch}'] = block(size, batch, args)
       paths = harness.write_results(args, NAME, results, markdown)
-      print(f'{size} b{batch}', flush=True)
+      print(verdict(f'{size} b{batch}', results['blocks'][f'{size} b{batch}']), flush=True)
   print('wrote', *paths)
   return results
 

@@ -41,7 +41,6 @@ if 'jax' not in sys.modules:  # the device count must be set before JAX starts
                              ' --xla_force_host_platform_device_count=8').strip()
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
-import functools
 import json
 import subprocess
 from pathlib import Path
@@ -50,11 +49,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks import compiled as xla
 from benchmarks import harness
 from benchmarks import roofline
+from speculative_t5x import aot
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import models
@@ -81,17 +80,6 @@ def model_config(size: str) -> network.T5Config:
     return network.T5Config(**TINY['draft' if size.endswith('draft') else 'target'])
   path = gin_utils.resolve_path(f'gin_configs/models/t5_1_1/{size}.gin')
   return network.T5Config(**xla.config_values(Path(path)))
-
-
-def abstract_params(target: network.T5Config, draft: network.T5Config, dtype: str) -> Any:
-  """{'target', 'draft', 'decode'} as ShapeDtypeStructs in `dtype` (nothing allocated)."""
-  model = models.EncoderDecoderModel(target, draft)
-  params = jax.eval_shape(lambda: {'target': network.init_params(target)[0],
-                                   'draft': network.init_params(draft)[0]})
-  # As an accelerator prepares them: no stacked projections (their default on a CPU backend,
-  # which these fake devices are, would add copies an accelerator job does not make).
-  params = jax.eval_shape(functools.partial(model.with_decode_variables, fuse=False), params)
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), params)
 
 
 def decoder(target: network.T5Config, draft: network.T5Config, gamma: int
@@ -137,28 +125,10 @@ def predict_program(model: models.EncoderDecoderModel, mesh: Any, params: Any,
 def step_program(config: network.T5Config, params: Any, decode_vars: Any,
                  cache: network.DecoderCache, mesh: Any, rules: partitioning.LogicalAxisRules,
                  k: int) -> Dict[str, Any]:
-  """Cost and collectives of one cached decoder step of k tokens per row (the greedy loop's
-  use of it: logits reduced to argmaxes, the cache updated in place), with the shardings the
-  loop gives params and cache."""
-  module = network.Transformer(config)
-  data = NamedSharding(mesh, PartitionSpec('data'))
-  cache_shardings = partitioning.cache_shardings(cache, mesh, rules)
-  in_shardings = (
-      partitioning.params_shardings(params, partitioning.params_logical_axes(config), mesh,
-                                    rules),
-      partitioning.params_shardings(decode_vars, network.decode_variables_logical_axes(config),
-                                    mesh, rules), data, cache_shardings)
-
-  def step(p, d, tokens, c):
-    logits, new_cache = module.apply({'params': p, network.DECODE_COLLECTION: d}, tokens, c,
-                                     method=network.Transformer.decode_step)
-    return jnp.argmax(logits, axis=-1), new_cache
-
-  fn = jax.jit(step, in_shardings=in_shardings, out_shardings=(data, cache_shardings),
-               donate_argnums=3)
-  tokens = jax.ShapeDtypeStruct((cache.index.shape[0], k), jnp.int32)
+  """Cost, op count and collectives of one cached decoder step of k tokens per row
+  (`aot.step_program`), with the shardings the loop gives params and cache."""
   program, seconds = xla.time_compile(
-      lambda: fn.lower(params, decode_vars, tokens, cache).compile())
+      lambda: aot.step_program(config, params, decode_vars, cache, mesh, rules, k))
   module_text = xla.Module.parse(program.as_text())
   return {'compile_s': seconds, **xla.cost(program), 'ops': xla.entry_ops(module_text),
           'collectives': xla.collectives(module_text.instructions(module_text.entry,
@@ -222,7 +192,7 @@ def step_memories(b: Mapping[str, Any], draft: str, input_length: int, dtype: st
                   ) -> Dict[str, Dict[str, int]]:
   """`step_memory` of the target and of the draft under each placement of block `b`."""
   target, draft_config = model_config(b['size']), model_config(draft)
-  params = abstract_params(target, draft_config, dtype)
+  params = aot.abstract_params(target, draft_config, dtype)
   mesh = partitioning.create_mesh(tuple(b['mesh']))
   model = decoder(target, draft_config, 0)
   out = {}
@@ -254,7 +224,7 @@ def block(size: str, mesh_shape: Tuple[int, int], batch: int, output_length: int
           args: argparse.Namespace) -> Dict[str, Any]:
   """Every figure of one (size, mesh, batch, output length)."""
   target, draft = model_config(size), model_config(args.draft)
-  params = abstract_params(target, draft, args.param_dtype)
+  params = aot.abstract_params(target, draft, args.param_dtype)
   mesh = partitioning.create_mesh(mesh_shape)
   base = decoder(target, draft, 0)
   caches = {name: abstract_cache(config, params[name], batch, args.input_length, output_length)
@@ -328,8 +298,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help='TPU topologies, with --platform tpu')
   p.add_argument('--drafts', default='small,small-dec2',
                  help='with --platform tpu: the drafts (benchmarks.tpu.DRAFTS)')
-  p.add_argument('--gamma', type=int, default=3,
-                 help='with --platform tpu: the predict programs\' gamma (--gammas: iterations)')
+  p.add_argument('--gamma', type=int, default=4,
+                 help='with --platform tpu: the predict programs\' and the timed iteration\'s '
+                      'gamma')
+  p.add_argument('--max_gamma', type=int, default=7,
+                 help='with --platform tpu: verify calls compiled up to max_gamma + 1 tokens')
   p.add_argument('--tpu_meshes', default='model',
                  help="with --platform tpu: 'model' (1 x n), 'both' (2 x n/2), 'data' (n x 1)")
   p.add_argument('--tiny', action='store_true',

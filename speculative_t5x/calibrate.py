@@ -25,6 +25,13 @@ calibrates beam search of N beams instead: beam_search itself and the trees of
 fastest and does not explore early what it predicts much slower (no gamma schedule, no
 t5x_schedule.gin).
 
+--topology v5e:2x4 calibrates compile-only for a TPU job that has no chips yet: the step
+costs, the prefill and the loop overheads are XLA:TPU's estimates (`aot.step_costs`: the
+pair's programs compiled for the topology's devices on this CPU, with libtpu installed); no
+loop is timed. Acceptance is --alpha, or counted from the pair's own greedy (or sampled)
+decodes of the inputs at --max_gamma on this machine. Estimates are a compiler's: a lower
+bound of the time on an idle chip, not timings.
+
 Writes to --output_dir:
   calibration.json   the figures: step costs, fitted overheads, acceptance, predicted (and with
                      --check measured) ms per output position per choice, the schedule
@@ -372,6 +379,8 @@ def markdown(results: Mapping[str, Any]) -> str:
            'in length), which the error compares. "corrected": the prediction times the '
            'choice\'s measured over predicted for its run, where its loop was timed; the '
            'schedule picks by it, and the job\'s policy predicts with it.', '']
+  if results.get('estimates'):
+    lines += [f"**Compile-only:** {results['estimates']}", '']
   if results.get('beam_size'):
     lines += [f"Beam search of {results['beam_size']} beams: per beam step (beam search takes "
               'more steps than its best output has tokens), tokens per iteration are beam steps '
@@ -507,6 +516,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--rounds', type=int, default=None,
                  help=f'timed round-robin rounds (default {LOOP_ROUNDS}; sampling, each round a '
                       f'draw: {SAMPLED_LOOP_ROUNDS})')
+  p.add_argument('--topology', default=None,
+                 help='compile-only for this TPU topology (e.g. v5e:2x4; needs libtpu): step '
+                      "costs from XLA:TPU's estimates, no loop timed")
+  p.add_argument('--mesh', default=None,
+                 help='with --topology: (data)x(model), e.g. 1x8 (default: 1 x its devices)')
+  p.add_argument('--alpha', type=float, default=None,
+                 help='with --topology: the acceptance to plan for (default: counted from the '
+                      "pair's decodes of the inputs)")
+  p.add_argument('--input_length', type=int, default=OUTPUT_LENGTH,
+                 help='with --topology: the encoder length compiled')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
   p.add_argument('--draft', default=str(pipeline.EMBEDDED_DRAFT))
   args = p.parse_args(argv)
@@ -521,6 +540,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.error('--max_gamma, --sentences and --rounds must be >= 1')
   if args.beam_size < 0:
     p.error(f'--beam_size must be >= 1 (0: calibrate gamma), got {args.beam_size}')
+  if args.topology is None and (args.alpha is not None or args.mesh is not None):
+    p.error('--alpha and --mesh are for a compile-only calibration (--topology)')
+  if args.topology is not None and args.beam_size:
+    p.error('--topology calibrates gamma, not beam search (--beam_size)')
+  if args.alpha is not None and not 0 <= args.alpha < 1:
+    p.error(f'--alpha must be in [0, 1), got {args.alpha}')
+  if args.mesh is not None:
+    args.mesh = tuple(_parse_ints(args.mesh.replace('x', ','), '--mesh'))
+    if len(args.mesh) != 2 or min(args.mesh) < 1:
+      p.error(f'--mesh wants (data)x(model) like 1x8, got {args.mesh}')
   args.fit_gammas = (_parse_ints(args.fit_gammas, '--fit_gammas') if args.fit_gammas else
                      [0, 1, args.max_gamma])
   if 0 not in args.fit_gammas or max(args.fit_gammas) > args.max_gamma or len(
@@ -549,6 +578,8 @@ def read_inputs(args: argparse.Namespace) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   args = parse_args(argv)
+  if args.topology:
+    return compile_only(args, argv)
   texts = read_inputs(args)
   pair = pipeline.load_pair(args.target, args.draft)
   results = {'command': ' '.join(['speculative-t5x-calibrate'] + list(
@@ -575,6 +606,65 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           (f'; model error {errors}; corrected by the loops ' + ', '.join(
               f'{g}: {v:.3f}' for g, v in block['corrected_ms_per_position'].items())
            if errors else ''), flush=True)
+  for path in write(Path(args.output_dir), results, results['command']):
+    print(path)
+  return results
+
+
+def counted_alpha(pair: pipeline.Pair, texts: Sequence[str], batch_size: int, gamma: int,
+                  temperature: float) -> float:
+  """The paper's acceptance in the pair's own decodes of `texts` at `gamma` (this machine)."""
+  pipe = pipeline.Pipeline(pair, batch_size=batch_size, max_output_length=OUTPUT_LENGTH)
+  counts = _counts(pipe.decode(texts, 'speculative', gamma=gamma, temperature=temperature),
+                   batch_size)
+  return costs.row_alpha(counts['accepted'], counts['rejected'])
+
+
+def compiled_batch_size(model: costs.StepCosts, alpha: float) -> Dict[str, Any]:
+  """A batch size's block of calibration.json from estimated costs: every gamma's predicted
+  ms per output position (the prefill spread over OUTPUT_LENGTH positions), the best."""
+  gammas = range(model.max_gamma + 1)
+  predicted = {g: model.ms_per_position(g, alpha, OUTPUT_LENGTH) for g in gammas}
+  best = costs.cheapest(gammas, predicted.__getitem__)
+  return dict(costs=model.to_json(), alpha=alpha, positions_per_batch=OUTPUT_LENGTH,
+              predicted_ms_per_position=predicted, corrected_ms_per_position=predicted,
+              best_choice=best, best=best, runs=[], fit_gammas=[])
+
+
+def compile_only(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> Dict[str, Any]:
+  """--topology: the schedule from XLA:TPU's estimates (module docstring)."""
+  from speculative_t5x import aot  # pylint: disable=g-import-not-at-top  (libtpu's warnings)
+  from speculative_t5x import partitioning  # pylint: disable=g-import-not-at-top
+  devices = aot.topology_devices(args.topology)
+  mesh = partitioning.create_mesh(args.mesh or (1, len(devices)), devices=devices)
+  pair = pipeline.load_pair(args.target, args.draft)
+  texts = None if args.alpha is not None else read_inputs(args)
+  results = {'command': ' '.join(['speculative-t5x-calibrate'] + list(
+      sys.argv[1:] if argv is None else argv)), 'temperature': args.temperature,
+             'devices': f'{args.topology}: {len(devices)} x {devices[0].device_kind}, mesh '
+                        f"{dict(mesh.shape)}",
+             'estimates': "step costs, prefill and loop overheads are XLA:TPU's optimal_seconds "
+                          'of the compiled programs (a lower bound on an idle chip, not '
+                          'timings); alpha ' + ('given' if texts is None else
+                                                'counted from the pair\'s decodes here'),
+             'batch_sizes': {}}
+  for batch_size in args.batch_sizes:
+    programs = aot.decode_programs(
+        pair.target_config, pair.draft_config, mesh, batch_size, input_length=args.input_length,
+        output_length=OUTPUT_LENGTH, max_gamma=args.max_gamma,
+        iterations=[(0, args.temperature), (args.max_gamma, args.temperature)])
+    seconds = {}
+    for name, build in programs.items():
+      print(f'batch {batch_size}: compiling {name}...', file=sys.stderr, flush=True)
+      seconds[name] = aot.optimal_seconds(build())
+    model = aot.step_costs(seconds, batch_size, args.max_gamma, args.max_gamma,
+                           args.temperature)
+    alpha = args.alpha if texts is None else counted_alpha(
+        pair, texts[:args.sentences], batch_size, args.max_gamma, args.temperature)
+    block = results['batch_sizes'][batch_size] = compiled_batch_size(model, alpha)
+    print(f"batch {batch_size}: alpha {alpha:.3f}, best gamma {block['best']}, estimated ms "
+          'per position ' + ', '.join(f'{g}: {v:.4f}' for g, v in
+                                       block['predicted_ms_per_position'].items()), flush=True)
   for path in write(Path(args.output_dir), results, results['command']):
     print(path)
   return results

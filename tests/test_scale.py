@@ -155,8 +155,8 @@ def test_accelerator_script_on_cpu(accelerator_run):
   for step in block['steps']['target'].values():
     assert step['measured_ms'] > 0 and step['projected_ms'] > 0 and step['flops'] > 0
   loops = block['loops']
-  assert set(loops) == {'target-only T=0', 'speculative gamma=1 T=0'}
-  assert loops['speculative gamma=1 T=0']['predicted_ms'] > 0
+  assert set(loops) == {'target-only', 'gamma 1 greedy'}
+  assert loops['gamma 1 greedy']['predicted_ms'] > 0 and loops['gamma 1 greedy']['c'] > 0
   assert markdown.startswith('# Accelerator') and 'python -m benchmarks.accelerator' in markdown
 
 

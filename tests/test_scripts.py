@@ -2,9 +2,11 @@
 commands they would run, checked against the programs that take them).
 
 scripts/train_pair.sh is checked in tests/test_gin_configs.py (its stages' gin files) and
-scripts/accelerator_check.sh in tests/test_scale.py (it runs there on tiny configs)."""
+scripts/accelerator_check.sh in tests/test_scale.py (it runs there on tiny configs);
+scripts/device_run.sh runs here on tiny configs (TINY=1)."""
 
 import importlib
+import json
 import os
 import pathlib
 import shlex
@@ -13,6 +15,8 @@ import sys
 from typing import Dict, List
 
 import pytest
+
+from conftest import data_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / 'scripts'
@@ -83,3 +87,25 @@ def test_t5x_recipe_names_an_unknown_decoding_file():
   proc = _script('t5x_infer.sh', DECODING='greedy.gin', DRY_RUN='1')
   assert proc.returncode == 1
   assert proc.stderr.startswith('error: DECODING=greedy.gin is not one of gin_configs/t5x/')
+
+
+def test_device_run_dry_runs_every_part_on_the_cpu(tmp_path):
+  """scripts/device_run.sh with TINY=1: the XL parts on tiny configs (the fixed-acceptance loop,
+  looped and unrolled, under XLA's defaults and with while loops in command buffers), then the
+  embedded pair's parts where the test captions are."""
+  parts = 'xl pair' if (data_dir() / 'multi30k').exists() else 'xl'
+  proc = subprocess.run(['bash', str(SCRIPTS / 'device_run.sh')], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600,
+                        env={**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path),
+                             'TINY': '1', 'PARTS': parts})
+  log = (tmp_path / 'log').read_text()
+  names = ['xl_default', 'xl_while'] + (['pair_default', 'pair_while'] if 'pair' in parts else [])
+  for name in names:
+    assert f'== {name}: exit 0' in log, proc.stdout[-2000:]
+  default = json.loads((tmp_path / 'xl_default' / 'accelerator.json').read_text())
+  captured = json.loads((tmp_path / 'xl_while' / 'accelerator.json').read_text())
+  assert default['meta']['alpha'] == 0.75
+  assert '+WHILE' in captured['meta']['xla_flags'] and '+WHILE' not in default['meta']['xla_flags']
+  assert set(default['blocks']['tiny b1']['loops']) == {
+      'target-only', 'gamma 4 alpha 0.75', 'gamma 4 alpha 0.75 unrolled'}
+  assert "the paper's formula" in (tmp_path / 'xl_default' / 'accelerator.md').read_text()

@@ -11,29 +11,37 @@ from benchmarks import tpu
 HAS_LIBTPU = importlib.util.find_spec('libtpu') is not None
 
 
-def _program(seconds, ops=10, bytes_accessed=1e6):
-  return {'optimal_seconds': seconds, 'ops': ops, 'bytes_accessed': bytes_accessed}
+def _program(seconds, ops=10, mb=1.0):
+  return {'optimal_seconds': seconds, 'ops': ops, 'bytes_accessed': mb * 1e6}
 
 
-def _block(step, verify, draft, iteration, base):
-  """A block whose programs' estimates are given (seconds), at gamma 3."""
-  return {'target_steps': {'1': _program(step), '4': _program(verify, ops=12)},
-          'target_iterations': {'greedy': _program(base, ops=15)},
-          'drafts': {'small': {'draft_steps': {'1': _program(draft, ops=4),
-                                               '2': _program(draft, ops=4)},
-                               'iterations': {'greedy 3': _program(iteration, ops=40)}}}}
+def _block():
+  """A block at gamma 2 (verify calls up to 3 tokens) whose programs' estimates are given:
+  target step 100 us, verify 105 us, draft 5 us, prefill 50 us, iterations 104 / 125 us."""
+  target = {'target 1': _program(100e-6), 'target 2': _program(102e-6),
+            'target 3': _program(105e-6, ops=12), 'iteration 0 0': _program(104e-6, ops=15),
+            'iteration 0 1': _program(104e-6, ops=15)}
+  draft = {'draft 1': _program(5e-6, ops=4), 'draft 2': _program(5e-6, ops=4),
+           'prefill': _program(50e-6), 'iteration 2 0': _program(125e-6, ops=30, mb=5.0),
+           'iteration 2 1': _program(125e-6, ops=30, mb=5.0)}
+  return {'batch': 1, 'gamma': 2, 'max_gamma': 2, 'output_length': 16, 'target': target,
+          'drafts': {'small': {'programs': draft}}}
 
 
 def test_loop_figures_and_predicted_speedup_from_estimates():
-  b = _block(step=100e-6, verify=110e-6, draft=5e-6, iteration=140e-6, base=104e-6)
-  f = tpu.loop_figures(b, 'small', 'greedy', 3)
-  assert f['c'] == pytest.approx(0.05) and f['verify'] == pytest.approx(1.1)
-  assert f['overhead'] == pytest.approx((140 - 110 - 15) / 100)
-  assert f['target_overhead'] == pytest.approx(0.04)
-  assert f['ops_beyond'] == 40 - 12 - 3 * 4 and f['target_ops_beyond'] == 5
+  b = _block()
+  f = tpu.loop_figures(b, 'small', 'greedy')
+  assert f['c'] == pytest.approx(0.05) and f['verify'] == pytest.approx(1.05)
+  assert f['speculative_overhead'] == pytest.approx((125 - 105 - 2 * 5) / 100)
+  assert f['target_only_overhead'] == pytest.approx(0.04)
+  assert f['speculative_ops'] == 30 - 12 - 2 * 4 and f['target_only_ops'] == 5
+  assert f['speculative_mb'] == pytest.approx(5.0 - 3.0)
   gamma, speedup = tpu.predicted(b, 'small', 'greedy', 0.75)
-  assert gamma == 3
-  assert speedup == pytest.approx((1 - 0.75 ** 4) / 0.25 * 104 / 140)
+  # gamma 2: (1 - 0.75^3) / 0.25 tokens per 125 us, against 104 us a token; the prefill's
+  # 50 us spread over 16 positions in both.
+  assert gamma == 2
+  expected = (104 + 50 / 16) / (125 / ((1 - 0.75 ** 3) / 0.25) + 50 / 16)
+  assert speedup == pytest.approx(expected)
 
 
 def test_an_unknown_topology_is_one_line():
@@ -45,13 +53,16 @@ def test_an_unknown_topology_is_one_line():
                     "version>' in a venv of its own)")
 def test_tiny_pair_compiles_for_v5e(tmp_path):
   results = scale.main(['--platform', 'tpu', '--tiny', '--topology', 'v5e:2x2', '--batches', '1',
-                        '--gamma', '2', '--gammas', '2', '--drafts', 'small-dec2',
+                        '--gamma', '2', '--max_gamma', '2', '--drafts', 'small-dec2',
                         '--out_dir', str(tmp_path)])
   b = results['blocks']['v5e:2x2 tiny 1x4 b1']
   assert b['device_kind'] == 'TPU v5 lite' and b['target_predict']['fit']['fits']
   d = b['drafts']['small-dec2']
-  for program in (b['target_steps']['1'], b['target_steps']['3'], d['draft_steps']['1'],
-                  d['iterations']['greedy 2'], d['iterations']['t1 2'], d['prefill']):
-    assert program['optimal_seconds'] > 0  # a straight-line program: XLA:TPU's estimate
+  assert set(b['target']) == {'target 1', 'target 2', 'target 3', 'iteration 0 0',
+                              'iteration 0 1'}
+  assert set(d['programs']) == {'draft 1', 'draft 2', 'prefill', 'iteration 2 0',
+                                'iteration 2 1'}
+  for program in list(b['target'].values()) + list(d['programs'].values()):
+    assert 0 < program['optimal_seconds'] < 1  # straight-line: XLA:TPU's estimate, corrected
   assert d['predict']['loops']['host_transfers'] == 0
-  assert (tmp_path / 'tpu.md').exists()
+  assert 'speedup the estimates predict' in (tmp_path / 'tpu.md').read_text()
