@@ -1,5 +1,6 @@
-"""XLA:TPU-compiled programs (`benchmarks.tpu`): the tiny pair compiled for a v5e topology when
-libtpu is installed, the figures derived from a block, and one-line errors."""
+"""XLA:TPU-compiled programs without a TPU (`speculative_t5x.aot`, `benchmarks.tpu`, the
+compile-only calibration): the tiny pair and the embedded pair compiled for a v5e topology when
+libtpu is installed; the figures derived from estimates, and one-line errors, always."""
 
 import importlib.util
 
@@ -7,6 +8,9 @@ import pytest
 
 from benchmarks import scale
 from benchmarks import tpu
+from speculative_t5x import aot
+from speculative_t5x import calibrate
+from speculative_t5x import costs
 
 HAS_LIBTPU = importlib.util.find_spec('libtpu') is not None
 
@@ -66,3 +70,42 @@ def test_tiny_pair_compiles_for_v5e(tmp_path):
     assert 0 < program['optimal_seconds'] < 1  # straight-line: XLA:TPU's estimate, corrected
   assert d['predict']['loops']['host_transfers'] == 0
   assert 'speedup the estimates predict' in (tmp_path / 'tpu.md').read_text()
+
+
+def test_step_costs_from_estimates():
+  seconds = {'target 1': 100e-6, 'target 2': 101e-6, 'target 3': 103e-6, 'draft 1': 5e-6,
+             'draft 2': 6e-6, 'prefill': 40e-6, 'iteration 0 0': 104e-6,
+             'iteration 2 0': 130e-6, 'iteration 0 1': 110e-6, 'iteration 2 1': 150e-6}
+  model = aot.step_costs(seconds, batch=8, max_gamma=2, gamma=2, temperature=0.0)
+  assert model.batch_size == 8 and model.max_gamma == 2
+  assert model.target_ms == pytest.approx({1: 0.1, 2: 0.101, 3: 0.103})
+  assert model.draft_ms == pytest.approx({1: 0.005, 2: 0.006}) and model.batch_ms == 0.04
+  assert model.plain_overhead_ms == pytest.approx(0.004)
+  assert model.overhead_ms == pytest.approx(0.130 - 0.103 - 0.006 - 0.005)
+  sampled = aot.step_costs(seconds, batch=8, max_gamma=2, gamma=2, temperature=1.0)
+  assert sampled.overhead_ms == pytest.approx(0.150 - 0.114)
+  # An iteration estimated below its steps (XLA fused across them) costs no overhead.
+  assert aot.step_costs({**seconds, 'iteration 0 0': 90e-6}, 8, 2, 2, 0.0).plain_overhead_ms == 0
+
+
+@pytest.mark.parametrize('flags', [['--alpha', '0.9'], ['--mesh', '1x4'],
+                                   ['--topology', 'v5e:2x2', '--beam_size', '4'],
+                                   ['--topology', 'v5e:2x2', '--alpha', '1.5']])
+def test_compile_only_flags_are_checked(tmp_path, flags, capsys):
+  with pytest.raises(SystemExit):
+    calibrate.parse_args(['--output_dir', str(tmp_path)] + flags)
+  assert 'error:' in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason='libtpu not installed')
+def test_compile_only_calibration_schedules_from_xla_tpu(tmp_path):
+  results = calibrate.main(['--topology', 'v5e:2x2', '--alpha', '0.9', '--batch_sizes', '1',
+                            '--max_gamma', '2', '--input_length', '16', '--output_dir',
+                            str(tmp_path)])
+  block = results['batch_sizes'][1]
+  assert set(block['predicted_ms_per_position']) == {0, 1, 2}
+  assert all(0 < v < 1 for v in block['predicted_ms_per_position'].values())
+  loaded = costs.load_calibration(tmp_path / 'calibration.json')
+  assert loaded.schedule[1] == block['best'] and loaded.alphas[1] == 0.9
+  assert 'gamma_schedule = {1: ' in (tmp_path / 't5x_schedule.gin').read_text()
+  assert 'Compile-only' in (tmp_path / 'calibration.md').read_text()
