@@ -130,6 +130,15 @@ def entry_ops(module: Module) -> int:
   return sum(i.opcode not in plumbing for i in module.computations[module.entry])
 
 
+def entry_cycles(text: str) -> int:
+  """XLA:TPU's scheduled estimate of a straight-line program: the sum of the `estimated_cycles`
+  its backend config gives each ENTRY instruction. Unlike `optimal_seconds` (a bound for the
+  whole program, in which a draft's second call costs a fraction of its first) it adds up call
+  by call, so a loop's own work is what an iteration's sum exceeds its calls' sums by."""
+  entry = text[text.index('\nENTRY'):]
+  return sum(int(c) for c in re.findall(r'"estimated_cycles":"(\d+)"', entry))
+
+
 def collectives(instructions: List[Instruction]) -> Dict[str, Dict[str, int]]:
   """{kind: {'count', 'bytes'}} of the collectives among `instructions` (result bytes; an async
   pair counts once, at its start)."""

@@ -280,7 +280,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--output_lengths', default='128,32',
                  help='decoder lengths; the ones after the first only at --short_batches')
   p.add_argument('--short_batches', default='8')
-  p.add_argument('--gammas', default='3,5', help='greedy speculative gammas compiled')
+  p.add_argument('--gammas', default=None,
+                 help='greedy speculative gammas compiled (default 3,5; with --platform tpu the '
+                      'iterations compiled, default 2,4,7)')
   p.add_argument('--projection_gammas', default='3,5,7', help='gammas of the projection')
   p.add_argument('--placements', default=','.join(PLACEMENTS),
                  help='draft placements of the speculative programs')
@@ -299,10 +301,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--drafts', default='small,small-dec2',
                  help='with --platform tpu: the drafts (benchmarks.tpu.DRAFTS)')
   p.add_argument('--gamma', type=int, default=4,
-                 help='with --platform tpu: the predict programs\' and the timed iteration\'s '
-                      'gamma')
-  p.add_argument('--max_gamma', type=int, default=7,
-                 help='with --platform tpu: verify calls compiled up to max_gamma + 1 tokens')
+                 help="with --platform tpu: the predict programs' gamma, and the loop's own "
+                      'work is read at it')
   p.add_argument('--tpu_meshes', default='model',
                  help="with --platform tpu: 'model' (1 x n), 'both' (2 x n/2), 'data' (n x 1)")
   p.add_argument('--tiny', action='store_true',
@@ -316,7 +316,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   args.batches = harness.parse_ints(args.batches, '--batches')
   args.output_lengths = harness.parse_ints(args.output_lengths, '--output_lengths')
   args.short_batches = harness.parse_ints(args.short_batches, '--short_batches')
-  args.gammas = harness.parse_ints(args.gammas, '--gammas')
+  args.gammas = harness.parse_ints(args.gammas or ('2,4,7' if args.platform == 'tpu' else '3,5'),
+                                   '--gammas')
   args.projection_gammas = harness.parse_ints(args.projection_gammas, '--projection_gammas')
   args.placements = [p for p in args.placements.split(',') if p]
   args.param_dtype = args.param_dtype or ('bfloat16' if args.platform == 'tpu' else 'float32')

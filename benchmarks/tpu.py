@@ -13,12 +13,14 @@ layers of T5 1.1 small's widths reading the target's encoder, the embedded draft
   - the predict programs (greedy target-only and greedy speculative at --gamma, the draft
     replicated): bytes per device against the chip's HBM, the collectives of one iteration of
     each loop, cache-sized copies and host transfers inside loop bodies;
-  - XLA:TPU's `optimal_seconds` (`aot.optimal_seconds`) of the straight-line programs of
-    `aot.decode_programs`: the target's step at 1..--max_gamma + 1 tokens, the draft's at 1 and
-    2, the prefill, one loop iteration at gamma 0 and --gamma, greedy and at temperature 1;
-  - the loop's own work: an iteration's time, ops and bytes beyond its model calls;
-  - the speedup those estimates predict (`costs.StepCosts`, the calibration's model) at the
-    embedded pair's acceptance and at the paper's.
+  - two XLA:TPU estimates of the straight-line programs of `aot.decode_programs` (the target's
+    step at 1 and gamma + 1 tokens, the draft's at 1 and 2, the prefill, one loop iteration at
+    gamma 0 and at each --gammas, greedy and at temperature 1): `optimal_seconds`
+    (`aot.optimal_seconds`, the compiler's bound for the whole program) and the sum of its
+    ops' `estimated_cycles` (`compiled.entry_cycles`, its schedule, which adds up call by call);
+  - the loop's own work at --gamma: an iteration's cycles, ops and bytes beyond its calls';
+  - the speedup each estimate predicts at the embedded pair's acceptance and at the paper's:
+    expected tokens per iteration times the target-only iteration over the speculative one.
 
 Estimates are a compiler's, for an idle chip: a lower bound, not timings.
 """
@@ -60,7 +62,7 @@ def estimate(program: Any) -> Dict[str, Any]:
   """A compiled straight-line program: XLA:TPU's time (corrected), flops, bytes, ops."""
   module = xla.Module.parse(program.as_text())
   return {**xla.cost(program), 'optimal_seconds': aot.optimal_seconds(program),
-          'ops': xla.entry_ops(module),
+          'cycles': xla.entry_cycles(program.as_text()), 'ops': xla.entry_ops(module),
           'collectives': xla.collectives(module.instructions(module.entry, into_loops=True))}
 
 
@@ -81,9 +83,11 @@ def draft_figures(size: str, draft: str, mesh: Any, batch: int, args: argparse.N
   iterations, its predict program), which are the same whichever draft is beside it."""
   target = scale.model_config(size)
   config = draft_config(draft, target)
-  iterations = [(g, t) for g in (0, args.gamma) for t in SETTINGS.values()]
+  gammas = sorted({0, args.gamma} | set(args.gammas))
+  iterations = [(g, t) for g in gammas for t in SETTINGS.values()]
   programs = aot.decode_programs(target, config, mesh, batch, input_length=args.input_length,
-                                 output_length=args.output_length, max_gamma=args.max_gamma,
+                                 output_length=args.output_length,
+                                 target_ks=sorted({1} | {g + 1 for g in gammas}),
                                  iterations=iterations, dtype=args.param_dtype)
   shared = lambda name: name.startswith('target ') or name.startswith('iteration 0 ')
   out = {'programs': {}}
@@ -109,7 +113,7 @@ def block(topology: str, devices: Sequence[Any], size: str, mesh_shape: Tuple[in
   mesh = partitioning.create_mesh(mesh_shape, devices=devices)
   out = {'topology': topology, 'device_kind': devices[0].device_kind, 'size': size,
          'mesh': list(mesh_shape), 'batch': batch, 'gamma': args.gamma,
-         'max_gamma': args.max_gamma, 'output_length': args.output_length, 'drafts': {}}
+         'output_length': args.output_length, 'drafts': {}}
   for index, draft in enumerate(args.drafts):
     figures = draft_figures(size, draft, mesh, batch, args, with_target=index == 0)
     if 'target_predict' in figures:
@@ -159,46 +163,50 @@ def _programs(b: Mapping[str, Any], draft: str) -> Dict[str, Any]:
   return {**b['target'], **b['drafts'][draft]['programs']}
 
 
-def model(b: Mapping[str, Any], draft: str, setting: str) -> costs.StepCosts:
-  """The calibration's cost model of a block's draft at a setting, from the estimates."""
-  seconds = {n: p['optimal_seconds'] for n, p in _programs(b, draft).items()}
-  return aot.step_costs(seconds, b['batch'], b['max_gamma'], b['gamma'], SETTINGS[setting])
+MEASURES = ('optimal_seconds', 'cycles')
 
 
 def loop_figures(b: Mapping[str, Any], draft: str, setting: str) -> Dict[str, float]:
-  """At the block's gamma: c (draft step over target step), the verify call over the step,
-  and each iteration's own work beyond its model calls (time over a target step, ops, bytes)."""
+  """At the block's gamma: c (draft step over target step) and the verify call over the step,
+  by each measure; each iteration's own work beyond its model calls, by the additive measure
+  (cycles, over a target step's), in ops and in bytes."""
   programs, gamma, temperature = _programs(b, draft), b['gamma'], SETTINGS[setting]
   calls = {0: ['target 1'], gamma: [f'target {gamma + 1}', 'draft 2'] + ['draft 1'] * (gamma - 1)}
-  step = programs['target 1']['optimal_seconds']
-  out = {'step_us': 1e6 * step, 'c': programs['draft 1']['optimal_seconds'] / step,
-         'verify': programs[f'target {gamma + 1}']['optimal_seconds'] / step}
+  out = {'step_us': 1e6 * programs['target 1']['optimal_seconds']}
+  for measure in MEASURES:
+    step = programs['target 1'][measure]
+    out[f'c {measure}'] = programs['draft 1'][measure] / step
+    out[f'verify {measure}'] = programs[f'target {gamma + 1}'][measure] / step
   for g, names in calls.items():
     iteration = programs[f'iteration {g} {temperature:g}']
     beyond = lambda key: iteration[key] - sum(programs[n][key] for n in names)
     tag = 'target_only' if g == 0 else 'speculative'
     out.update({f'{tag}_us': 1e6 * iteration['optimal_seconds'],
-                f'{tag}_overhead': beyond('optimal_seconds') / step,
+                f'{tag}_overhead': beyond('cycles') / programs['target 1']['cycles'],
                 f'{tag}_ops': beyond('ops'), f'{tag}_mb': beyond('bytes_accessed') / 1e6})
   return out
 
 
-def predicted(b: Mapping[str, Any], draft: str, setting: str, alpha: float) -> Tuple[int, float]:
-  """(best gamma, speedup over the target alone) the estimates predict at acceptance alpha,
-  the prefill spread over the block's output length."""
-  m = model(b, draft, setting)
-  per_position = lambda g: m.ms_per_position(g, alpha, b['output_length'])
-  gamma = costs.cheapest(range(1, m.max_gamma + 1), per_position)
-  return gamma, per_position(0) / per_position(gamma)
+def predicted(b: Mapping[str, Any], draft: str, setting: str, alpha: float, measure: str
+              ) -> Tuple[int, float]:
+  """(best gamma, speedup over the target alone) at acceptance alpha by one measure: expected
+  tokens per iteration times the target-only iteration over the speculative one, the best of
+  the compiled gammas."""
+  programs, temperature = _programs(b, draft), SETTINGS[setting]
+  iteration = lambda g: programs[f'iteration {g} {temperature:g}'][measure]
+  gammas = [int(n.split()[1]) for n in programs
+            if n.startswith('iteration ') and n.endswith(f' {temperature:g}') and n.split()[1] != '0']
+  return max(((g, costs.expected_tokens(alpha, g) * iteration(0) / iteration(g)) for g in gammas),
+             key=lambda item: item[1])
 
 
 def summary_line(b: Mapping[str, Any]) -> str:
   parts = [f"target step {b['target']['target 1']['optimal_seconds'] * 1e6:.0f} us, fits "
            f"{b['target_predict']['fit']['fits']}"]
   for draft in b['drafts']:
-    gamma, speedup = predicted(b, draft, 'greedy', ALPHAS['paper'][0])
-    parts.append(f"{draft}: c {loop_figures(b, draft, 'greedy')['c']:.3f}, greedy at the "
-                 f"paper's alpha {speedup:.2f}x (gamma {gamma})")
+    gamma, speedup = predicted(b, draft, 'greedy', ALPHAS['paper'][0], 'optimal_seconds')
+    parts.append(f"{draft}: c {loop_figures(b, draft, 'greedy')['c optimal_seconds']:.3f}, "
+                 f"greedy at the paper's alpha {speedup:.2f}x (gamma {gamma})")
   return '; '.join(parts)
 
 
@@ -249,19 +257,24 @@ def loop_lines(blocks: Mapping[str, Any]) -> List[str]:
     for draft in b['drafts']:
       for setting in SETTINGS:
         f = loop_figures(b, draft, setting)
-        rows.append([key, draft, setting, f"{f['step_us']:.1f}", f"{f['c']:.3f}",
-                     f"{f['verify']:.2f}", f"{f['target_only_us']:.1f}",
-                     f"{f['target_only_overhead']:.1%}", str(f['target_only_ops']),
-                     f"{f['speculative_us']:.1f}", f"{f['speculative_overhead']:.1%}",
-                     str(f['speculative_ops']), f"{f['speculative_mb']:.2f}"])
-  return (['## Steps and the loop\'s own work (µs, XLA:TPU)', '',
-           'c: the draft\'s 1-token step over the target\'s; verify: the target\'s γ+1-token '
-           'call over its 1-token step. An iteration\'s overhead is its estimate beyond its '
-           'calls\' (target-only: one step; speculative: the verify call, the draft\'s 2-token '
-           'first call and γ − 1 1-token calls), over a target step; ops and MB likewise.', ''] +
-          harness.table(['block', 'draft', 'setting', 'target step', 'c', 'verify / step',
-                         'target-only iteration', 'overhead', 'ops beyond',
-                         'speculative iteration', 'overhead', 'ops beyond', 'MB beyond'],
+        rows.append([key, draft, setting, f"{f['step_us']:.1f}",
+                     f"{f['c optimal_seconds']:.3f} / {f['c cycles']:.3f}",
+                     f"{f['verify optimal_seconds']:.2f} / {f['verify cycles']:.2f}",
+                     f"{f['target_only_us']:.1f}", f"{f['target_only_overhead']:.1%}",
+                     str(f['target_only_ops']), f"{f['speculative_us']:.1f}",
+                     f"{f['speculative_overhead']:.1%}", str(f['speculative_ops']),
+                     f"{f['speculative_mb']:.1f}"])
+  first = next(iter(blocks.values()))
+  return (['## Steps and the loop\'s own work', '',
+           'Each ratio by `optimal_seconds` / by cycles. c: the draft\'s 1-token step over the '
+           'target\'s; verify: the target\'s γ+1-token call over its 1-token step (γ '
+           f"{first['gamma']}); iterations in µs by optimal_seconds. Overhead: an iteration's "
+           'cycles beyond its calls\' (target-only: one step; speculative: the verify call, the '
+           'draft\'s 2-token first call and γ − 1 1-token calls), over a target step\'s; ops '
+           'and MB (bytes accessed) beyond its calls\' likewise.', ''] +
+          harness.table(['block', 'draft', 'setting', 'target step µs', 'c', 'verify / step',
+                         'target-only iteration µs', 'overhead', 'ops beyond',
+                         'speculative iteration µs', 'overhead', 'ops beyond', 'MB beyond'],
                         rows) + [''])
 
 
@@ -272,15 +285,17 @@ def speedup_lines(blocks: Mapping[str, Any]) -> List[str]:
       for label, alphas in ALPHAS.items():
         cells = [key, draft, f'{label} ({alphas[0]}, {alphas[1]})']
         for setting, alpha in zip(SETTINGS, alphas):
-          gamma, speedup = predicted(b, draft, setting, alpha)
-          cells.append(f'{speedup:.2f}x (γ {gamma})')
+          for measure in MEASURES:
+            gamma, speedup = predicted(b, draft, setting, alpha, measure)
+            cells.append(f'{speedup:.2f}x (γ {gamma})')
         rows.append(cells)
   return (['## The speedup the estimates predict over the target alone', '',
-           'The calibration\'s model (`costs.StepCosts`) with these step costs and overheads, '
-           'best γ; the prefill spread over the output length. The paper (T5-XXL, T5-small, one '
-           f"TPU v4, batch 1): {PAPER['greedy']}x greedy at α 0.75, {PAPER['t1']}x at T=1, α "
-           '0.62.', ''] +
-          harness.table(['block', 'draft', 'α (greedy, T=1)', 'greedy', 'T=1'], rows) + [''])
+           'Expected tokens per iteration, (1 − α^(γ+1)) / (1 − α), times the target-only '
+           'iteration over the speculative one, best compiled γ; prefill not counted. The paper '
+           f"(T5-XXL, T5-small, one TPU v4, batch 1, measured): {PAPER['greedy']}x greedy at α "
+           f"0.75, {PAPER['t1']}x at T=1, α 0.62.", ''] +
+          harness.table(['block', 'draft', 'α (greedy, T=1)', 'greedy, optimal_seconds',
+                         'greedy, cycles', 'T=1, optimal_seconds', 'T=1, cycles'], rows) + [''])
 
 
 def main(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
@@ -293,14 +308,14 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
   args.drafts = [d for d in args.drafts.split(',') if d]
   if not args.drafts or set(args.drafts) - set(DRAFTS):
     raise SystemExit(f'error: --drafts takes {", ".join(DRAFTS)}; got {args.drafts}.')
-  if not 1 <= args.gamma <= args.max_gamma:
-    raise SystemExit(f'error: --gamma must be in 1..--max_gamma ({args.max_gamma}).')
+  if args.gamma < 1 or min(args.gammas) < 1:
+    raise SystemExit(f'error: --gamma and --gammas must be >= 1, got {args.gamma}, {args.gammas}.')
   args.output_length = args.output_lengths[0]
   path = harness.out_dir(args) / 'tpu.json'
   previous = json.loads(path.read_text()) if args.resume and path.exists() else {}
   results = {'meta': harness.meta('scale', argv, args, input_length=args.input_length,
                                   output_length=args.output_length, gamma=args.gamma,
-                                  max_gamma=args.max_gamma, param_dtype=args.param_dtype,
+                                  gammas=args.gammas, param_dtype=args.param_dtype,
                                   libtpu=libtpu_version()),
              'blocks': previous.get('blocks', {})}
   write = lambda r: harness.write_results(args, 'tpu', r, markdown)

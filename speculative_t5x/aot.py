@@ -187,11 +187,11 @@ def prefill_program(model: models.EncoderDecoderModel, mesh: Mesh, params: Any, 
 
 
 def decode_programs(target: network.T5Config, draft: network.T5Config, mesh: Mesh, batch: int,
-                    *, input_length: int, output_length: int, max_gamma: int,
+                    *, input_length: int, output_length: int, target_ks: Sequence[int],
                     iterations: Sequence[Tuple[int, float]], dtype: str = 'bfloat16'
                     ) -> Dict[str, Callable[[], Any]]:
   """The straight-line programs of one batch size, each compiled when its thunk is called:
-  'target k' (k = 1..max_gamma + 1 tokens per row), 'draft 1', 'draft 2', 'prefill', and
+  'target k' (each of target_ks tokens per row), 'draft 1', 'draft 2', 'prefill', and
   'iteration {gamma} {temperature}' for each of `iterations` ((gamma, temperature) pairs)."""
   model = models.EncoderDecoderModel(target, draft)
   params = abstract_params(target, draft, dtype)
@@ -199,8 +199,7 @@ def decode_programs(target: network.T5Config, draft: network.T5Config, mesh: Mes
   rules = partitioning.model_rules(model, mesh, draft_placement=REPLICATED)
   step = lambda name, config, cache, k: lambda: step_program(
       config, params[name], params['decode'][name], cache, mesh, rules[name], k)
-  programs = {f'target {k}': step('target', target, caches[0], k)
-              for k in range(1, max_gamma + 2)}
+  programs = {f'target {k}': step('target', target, caches[0], k) for k in target_ks}
   programs.update({f'draft {k}': step('draft', draft, caches[1], k) for k in (1, 2)})
   programs['prefill'] = lambda: prefill_program(model, mesh, params, batch, input_length,
                                                 output_length)
@@ -210,14 +209,16 @@ def decode_programs(target: network.T5Config, draft: network.T5Config, mesh: Mes
   return programs
 
 
-def step_costs(seconds: Mapping[str, float], batch: int, max_gamma: int, gamma: int,
+def step_costs(seconds: Mapping[str, float], batch: int, max_gamma: int,
                temperature: float) -> costs.StepCosts:
-  """`costs.StepCosts` (ms) from the estimated seconds of `decode_programs`' programs: steps
-  and prefill as estimated, the loop overheads what one iteration costs beyond its steps (the
-  target alone, and at `gamma`)."""
+  """`costs.StepCosts` (ms) from the estimated seconds of `decode_programs`' programs (target
+  steps 1..max_gamma + 1, an iteration at every gamma 0..max_gamma): steps and prefill as
+  estimated, and each gamma's prediction corrected to its own iteration's estimate
+  (`StepCosts.corrections`). XLA:TPU's estimate is a bound for a whole program, not a sum of
+  its calls (a draft's second call costs a fraction of its first), so an iteration is not its
+  steps plus an overhead, and no overhead is fitted."""
   ms = {name: 1e3 * value for name, value in seconds.items()}
   steps = costs.StepCosts(batch, {k: ms[f'target {k}'] for k in range(1, max_gamma + 2)},
                           {k: ms[f'draft {k}'] for k in (1, 2)}, batch_ms=ms['prefill'])
-  # An overhead below 0 is XLA fusing across the calls: the iteration is cheaper than its steps.
-  overhead = lambda g: max(ms[f'iteration {g} {temperature:g}'] - steps.steps_ms(g), 0.0)
-  return dataclasses.replace(steps, plain_overhead_ms=overhead(0), overhead_ms=overhead(gamma))
+  return dataclasses.replace(steps, corrections={
+      g: ms[f'iteration {g} {temperature:g}'] / steps.steps_ms(g) for g in range(max_gamma + 1)})

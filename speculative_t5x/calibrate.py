@@ -26,9 +26,9 @@ fastest and does not explore early what it predicts much slower (no gamma schedu
 t5x_schedule.gin).
 
 --topology v5e:2x4 calibrates compile-only for a TPU job that has no chips yet: the step
-costs, the prefill and the loop overheads are XLA:TPU's estimates (`aot.step_costs`: the
-pair's programs compiled for the topology's devices on this CPU, with libtpu installed); no
-loop is timed. Acceptance is --alpha, or counted from the pair's own greedy (or sampled)
+costs, the prefill and one loop iteration at every gamma are XLA:TPU's estimates
+(`aot.step_costs`: the pair's programs compiled for the topology's devices on this CPU, with
+libtpu installed); no loop is timed. Acceptance is --alpha, or counted from the pair's own greedy (or sampled)
 decodes of the inputs at --max_gamma on this machine. Estimates are a compiler's: a lower
 bound of the time on an idle chip, not timings.
 
@@ -643,22 +643,21 @@ def compile_only(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> Dic
       sys.argv[1:] if argv is None else argv)), 'temperature': args.temperature,
              'devices': f'{args.topology}: {len(devices)} x {devices[0].device_kind}, mesh '
                         f"{dict(mesh.shape)}",
-             'estimates': "step costs, prefill and loop overheads are XLA:TPU's optimal_seconds "
-                          'of the compiled programs (a lower bound on an idle chip, not '
-                          'timings); alpha ' + ('given' if texts is None else
+             'estimates': "step costs, prefill and each gamma's iteration are XLA:TPU's "
+                          'optimal_seconds of the compiled programs (a lower bound on an idle '
+                          'chip, not timings); alpha ' + ('given' if texts is None else
                                                 'counted from the pair\'s decodes here'),
              'batch_sizes': {}}
   for batch_size in args.batch_sizes:
     programs = aot.decode_programs(
         pair.target_config, pair.draft_config, mesh, batch_size, input_length=args.input_length,
-        output_length=OUTPUT_LENGTH, max_gamma=args.max_gamma,
-        iterations=[(0, args.temperature), (args.max_gamma, args.temperature)])
+        output_length=OUTPUT_LENGTH, target_ks=range(1, args.max_gamma + 2),
+        iterations=[(g, args.temperature) for g in range(args.max_gamma + 1)])
     seconds = {}
     for name, build in programs.items():
       print(f'batch {batch_size}: compiling {name}...', file=sys.stderr, flush=True)
       seconds[name] = aot.optimal_seconds(build())
-    model = aot.step_costs(seconds, batch_size, args.max_gamma, args.max_gamma,
-                           args.temperature)
+    model = aot.step_costs(seconds, batch_size, args.max_gamma, args.temperature)
     alpha = args.alpha if texts is None else counted_alpha(
         pair, texts[:args.sentences], batch_size, args.max_gamma, args.temperature)
     block = results['batch_sizes'][batch_size] = compiled_batch_size(model, alpha)
