@@ -4,7 +4,8 @@
 
 Started by `benchmarks.scale --t5x_python=...` in T5X's environment (T5X is never a dependency
 of this project; ../shared/docs/t5x_private_install.md installs it apart). For every block of the
-spec it compiles, for 8 fake CPU devices and abstract parameters, T5X's
+spec it compiles, for 8 fake CPU devices (or, with the spec's 'topology', a TPU topology's
+devices: XLA:TPU, libtpu installed in T5X's environment) and abstract parameters, T5X's
 `EncoderDecoderModel.predict_batch_with_aux` over T5X's example T5 network
 (`t5x.examples.t5.network`) with `t5x.decoding.temperature_sample` at temperature 0, partitioned
 by T5X's `standard_logical_axis_rules` and run under T5X's `PjittedFnWithContext` (its mesh and
@@ -33,6 +34,7 @@ import flax
 from flax.linen import partitioning as flax_partitioning
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -83,7 +85,7 @@ def block(t5x: Any, spec: Mapping[str, Any], size: str, mesh_shape: Sequence[int
                         flax.core.unfreeze(variables['params']))
   rules = partitioning.standard_logical_axis_rules()
   names = flax_partitioning.get_axis_names(variables['params_axes'])
-  mesh = Mesh(mesh_utils.create_device_mesh(tuple(mesh_shape), jax.devices()), ('data', 'model'))
+  mesh = Mesh(device_grid(spec, mesh_shape), ('data', 'model'))
   param_shardings = jax.tree.map(
       lambda n: NamedSharding(mesh, flax_partitioning.logical_to_mesh_axes(tuple(n), rules)),
       flax.core.unfreeze(names), is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -95,6 +97,7 @@ def block(t5x: Any, spec: Mapping[str, Any], size: str, mesh_shape: Sequence[int
   program, seconds = xla.time_compile(lambda: predict.lower(params, batch_abs).compile())
   loops = xla.loop_report(program.as_text(), 1 << 62)
   out = {'program': {'compile_s': seconds, 'memory': xla.memory(program),
+                     'optimal_seconds': tpu_seconds(program),
                      'cost': xla.cost(program), 'loops': xla.summarize_loops(loops)},
          'params_bytes': xla.sharded_bytes(params, param_shardings)}
   out['steps'] = {'1': step(t5x, model, params, param_shardings, mesh, rules, batch_abs)}
@@ -128,8 +131,26 @@ def step(t5x: Any, model: Any, params: Any, param_shardings: Any, mesh: Mesh, ru
       out_shardings=(data, cache_shardings), donate_argnums=1), mesh, rules)
   program, seconds = xla.time_compile(lambda: fn.lower(params, cache, encoded, enc).compile())
   module = xla.Module.parse(program.as_text())
-  return {'compile_s': seconds, **xla.cost(program),
+  return {'compile_s': seconds, **xla.cost(program), 'optimal_seconds': tpu_seconds(program),
+          'cycles': xla.entry_cycles(program.as_text()) if 'estimated_cycles' in program.as_text()
+                    else 0,
           'collectives': xla.collectives(module.instructions(module.entry, into_loops=True))}
+
+
+def device_grid(spec: Mapping[str, Any], mesh_shape: Sequence[int]) -> Any:
+  """The mesh's devices: 8 fake CPU devices, or with spec['topology'] the TPU topology's
+  (`aot.topology_devices`, XLA:TPU compiling on this CPU) in their described order."""
+  if not spec.get('topology'):
+    return mesh_utils.create_device_mesh(tuple(mesh_shape), jax.devices())
+  from speculative_t5x import aot  # pylint: disable=g-import-not-at-top
+  devices = aot.topology_devices(spec['topology'])
+  return np.array(devices[:int(np.prod(mesh_shape))]).reshape(tuple(mesh_shape))
+
+
+def tpu_seconds(program: Any) -> float:
+  """XLA:TPU's estimate (`aot.optimal_seconds`), NaN from another backend."""
+  from speculative_t5x import aot  # pylint: disable=g-import-not-at-top
+  return aot.optimal_seconds(program)
 
 
 def main(spec_json: str) -> None:

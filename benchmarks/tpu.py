@@ -248,7 +248,8 @@ def markdown(results: Mapping[str, Any]) -> str:
             'loop bodies.', '']
   lines += harness.table(['block', 'draft', 'target-only needs', 'speculative needs',
                           'target-only loop', 'speculative loop'], rows) + ['']
-  return '\n'.join(lines + loop_lines(blocks) + speedup_lines(blocks))
+  return '\n'.join(lines + loop_lines(blocks) + speedup_lines(blocks) +
+                   t5x_lines(blocks, results.get('t5x', {})))
 
 
 def loop_lines(blocks: Mapping[str, Any]) -> List[str]:
@@ -298,6 +299,32 @@ def speedup_lines(blocks: Mapping[str, Any]) -> List[str]:
                          'greedy, cycles', 'T=1, optimal_seconds', 'T=1, cycles'], rows) + [''])
 
 
+def t5x_lines(blocks: Mapping[str, Any], t5x: Mapping[str, Any]) -> List[str]:
+  """T5X's own greedy loop beside ours, where `benchmarks.scale_t5x` compiled it for the
+  topology (its step as its loop's iteration; it recomputes cross-attention keys and values
+  from the encoder output at every step)."""
+  rows = []
+  for key, b in blocks.items():
+    t = t5x.get('blocks', {}).get(
+        f"{b['size']} {b['mesh'][0]}x{b['mesh'][1]} b{b['batch']} out{b['output_length']}")
+    if not t:
+      continue
+    step = t['steps']['1']['optimal_seconds']
+    ours = b['target']['iteration 0 0']['optimal_seconds']
+    cells = [key, f'{step * 1e6:.1f}', f'{ours * 1e6:.1f}', f'{step / ours:.2f}x']
+    for draft in b['drafts']:
+      gamma, speedup = predicted(b, draft, 'greedy', ALPHAS['paper'][0], 'optimal_seconds')
+      cells.append(f'{speedup * step / ours:.2f}x (γ {gamma})')
+    rows.append(cells)
+  if not rows:
+    return []
+  drafts = list(next(iter(blocks.values()))['drafts'])
+  return (["## T5X's own greedy loop, compiled the same way (optimal_seconds)", ''] +
+          harness.table(['block', "T5X's step µs", 'our target-only iteration µs',
+                         'ours over T5X, target alone'] +
+                        [f'{d} greedy at α 0.75 over T5X' for d in drafts], rows) + [''])
+
+
 def main(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
   """`benchmarks.scale --platform tpu`: the sweep into <out_dir>/tpu.json and tpu.md."""
   args.topologies = [t for t in args.topology.split(',') if t]
@@ -318,6 +345,9 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
                                   gammas=args.gammas, param_dtype=args.param_dtype,
                                   libtpu=libtpu_version()),
              'blocks': previous.get('blocks', {})}
+  t5x_path = harness.out_dir(args) / 't5x_tpu.json'  # benchmarks.scale_t5x, run apart
+  if t5x_path.exists():
+    results['t5x'] = json.loads(t5x_path.read_text())
   write = lambda r: harness.write_results(args, 'tpu', r, markdown)
   run(args, results, write)
   print('wrote', *write(results))
