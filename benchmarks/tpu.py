@@ -173,10 +173,21 @@ def loop_figures(b: Mapping[str, Any], draft: str, setting: str) -> Dict[str, fl
   programs, gamma, temperature = _programs(b, draft), b['gamma'], SETTINGS[setting]
   calls = {0: ['target 1'], gamma: [f'target {gamma + 1}', 'draft 2'] + ['draft 1'] * (gamma - 1)}
   out = {'step_us': 1e6 * programs['target 1']['optimal_seconds']}
+  compiled = sorted(int(n.split()[1]) for n in programs if n.startswith('iteration ') and
+                    n.endswith(f' {temperature:g}') and n.split()[1] != '0')
   for measure in MEASURES:
     step = programs['target 1'][measure]
     out[f'c {measure}'] = programs['draft 1'][measure] / step
     out[f'verify {measure}'] = programs[f'target {gamma + 1}'][measure] / step
+    if len(compiled) >= 2:
+      # A draft call inside an iteration: what the two longest drafts' iterations differ by,
+      # less their verify calls' difference, per call. A step program alone also pays what an
+      # iteration pays once (XLA:TPU's bound is not additive).
+      low, high = compiled[-2:]
+      at = lambda name: programs[name][measure]
+      out[f'c in loop {measure}'] = (
+          at(f'iteration {high} {temperature:g}') - at(f'iteration {low} {temperature:g}') -
+          at(f'target {high + 1}') + at(f'target {low + 1}')) / (high - low) / step
   for g, names in calls.items():
     iteration = programs[f'iteration {g} {temperature:g}']
     beyond = lambda key: iteration[key] - sum(programs[n][key] for n in names)
@@ -258,8 +269,10 @@ def loop_lines(blocks: Mapping[str, Any]) -> List[str]:
     for draft in b['drafts']:
       for setting in SETTINGS:
         f = loop_figures(b, draft, setting)
+        in_loop = lambda m: f" ({f[f'c in loop {m}']:.3f})" if f'c in loop {m}' in f else ''
         rows.append([key, draft, setting, f"{f['step_us']:.1f}",
-                     f"{f['c optimal_seconds']:.3f} / {f['c cycles']:.3f}",
+                     f"{f['c optimal_seconds']:.3f}{in_loop('optimal_seconds')} / "
+                     f"{f['c cycles']:.3f}{in_loop('cycles')}",
                      f"{f['verify optimal_seconds']:.2f} / {f['verify cycles']:.2f}",
                      f"{f['target_only_us']:.1f}", f"{f['target_only_overhead']:.1%}",
                      str(f['target_only_ops']), f"{f['speculative_us']:.1f}",
@@ -268,7 +281,8 @@ def loop_lines(blocks: Mapping[str, Any]) -> List[str]:
   first = next(iter(blocks.values()))
   return (['## Steps and the loop\'s own work', '',
            'Each ratio by `optimal_seconds` / by cycles. c: the draft\'s 1-token step over the '
-           'target\'s; verify: the target\'s γ+1-token call over its 1-token step (γ '
+           'target\'s (in brackets: a draft call inside an iteration, from the two longest '
+           'drafts\' iterations less their verify calls); verify: the target\'s γ+1-token call over its 1-token step (γ '
            f"{first['gamma']}); iterations in µs by optimal_seconds. Overhead: an iteration's "
            'cycles beyond its calls\' (target-only: one step; speculative: the verify call, the '
            'draft\'s 2-token first call and γ − 1 1-token calls), over a target step\'s; ops '
