@@ -66,11 +66,21 @@ def estimate(program: Any) -> Dict[str, Any]:
           'collectives': xla.collectives(module.instructions(module.entry, into_loops=True))}
 
 
+def compact(program: Dict[str, Any]) -> Dict[str, Any]:
+  """A predict program's figures with its cache-sized copies counted, not listed (a batch-1
+  XXL loop has hundreds; the listing made a topology's JSON megabytes)."""
+  copies = program['big_copies']
+  if isinstance(copies, list):
+    program = {**program, 'big_copies': {'count': len(copies),
+                                         'bytes': sum(c['bytes'] for c in copies)}}
+  return program
+
+
 def predict_figures(model: Any, mesh: Any, params: Any, batch: int, args: argparse.Namespace,
                     big_bytes: int) -> Dict[str, Any]:
   """A whole predict program: its fit in HBM, loop collectives, copies and host transfers."""
   shapes = scale.abstract_batch(batch, args.input_length, args.output_length)
-  out = scale.predict_program(model, mesh, params, shapes, aot.REPLICATED, big_bytes)
+  out = compact(scale.predict_program(model, mesh, params, shapes, aot.REPLICATED, big_bytes))
   m, hbm = out['memory'], aot.hbm_bytes(list(mesh.devices.flat))
   need = m['argument_bytes'] + m['output_bytes'] + m['temp_bytes'] - m['alias_bytes']
   out['fit'] = {'bytes': need, 'hbm': hbm, 'fits': need <= hbm, 'short_by': max(need - hbm, 0)}
@@ -359,6 +369,10 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
                                   gammas=args.gammas, param_dtype=args.param_dtype,
                                   libtpu=libtpu_version()),
              'blocks': previous.get('blocks', {})}
+  for b in results['blocks'].values():  # blocks written before `compact`
+    b['target_predict'] = compact(b['target_predict'])
+    for d in b['drafts'].values():
+      d['predict'] = compact(d['predict'])
   t5x_path = harness.out_dir(args) / 't5x_tpu.json'  # benchmarks.scale_t5x, run apart
   if t5x_path.exists():
     results['t5x'] = json.loads(t5x_path.read_text())
