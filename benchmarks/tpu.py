@@ -80,7 +80,8 @@ def predict_figures(model: Any, mesh: Any, params: Any, batch: int, args: argpar
                     big_bytes: int) -> Dict[str, Any]:
   """A whole predict program: its fit in HBM, loop collectives, copies and host transfers."""
   shapes = scale.abstract_batch(batch, args.input_length, args.output_length)
-  out = compact(scale.predict_program(model, mesh, params, shapes, aot.REPLICATED, big_bytes))
+  out = compact(aot.compile_program(lambda: scale.predict_program(
+      model, mesh, params, shapes, aot.REPLICATED, big_bytes)))
   m, hbm = out['memory'], aot.hbm_bytes(list(mesh.devices.flat))
   need = m['argument_bytes'] + m['output_bytes'] + m['temp_bytes'] - m['alias_bytes']
   out['fit'] = {'bytes': need, 'hbm': hbm, 'fits': need <= hbm, 'short_by': max(need - hbm, 0)}
@@ -100,20 +101,23 @@ def draft_figures(size: str, draft: str, mesh: Any, batch: int, args: argparse.N
                                  target_ks=sorted({1} | {g + 1 for g in gammas}),
                                  iterations=iterations, dtype=args.param_dtype)
   shared = lambda name: name.startswith('target ') or name.startswith('iteration 0 ')
-  out = {'programs': {}}
-  for name, build in programs.items():
-    if with_target or not shared(name):
-      program, seconds = xla.time_compile(build)
-      out['programs'][name] = {'compile_s': seconds, **estimate(program)}
   params = aot.abstract_params(target, config, args.param_dtype)
   model = scale.decoder(target, config, args.gamma)
   caches = aot.abstract_caches(model, params, batch, args.input_length, args.output_length)
   rules = partitioning.model_rules(model, mesh, draft_placement=aot.REPLICATED)
   big = scale.layer_cache_bytes(dict(zip(('target', 'draft'), caches)), mesh, rules)
-  out['predict'] = predict_figures(model, mesh, params, batch, args, big)
-  if with_target:
-    out['target_predict'] = predict_figures(scale.decoder(target, config, 0), mesh, params,
-                                            batch, args, big)
+  out = {'programs': {}}
+  try:  # the whole predict programs first: one that does not fit ends the block
+    if with_target:
+      out['target_predict'] = predict_figures(scale.decoder(target, config, 0), mesh, params,
+                                              batch, args, big)
+    out['predict'] = predict_figures(model, mesh, params, batch, args, big)
+    for name, build in programs.items():
+      if with_target or not shared(name):
+        program, seconds = xla.time_compile(lambda: aot.compile_program(build))
+        out['programs'][name] = {'compile_s': seconds, **estimate(program)}
+  except aot.DoesNotFit as error:
+    out['does_not_fit'] = str(error)
   return out
 
 
@@ -126,6 +130,9 @@ def block(topology: str, devices: Sequence[Any], size: str, mesh_shape: Tuple[in
          'output_length': args.output_length, 'drafts': {}}
   for index, draft in enumerate(args.drafts):
     figures = draft_figures(size, draft, mesh, batch, args, with_target=index == 0)
+    if 'does_not_fit' in figures:  # XLA:TPU's line: needed and available HBM
+      out['does_not_fit'] = figures['does_not_fit']
+      return out
     if 'target_predict' in figures:
       out['target_predict'] = figures.pop('target_predict')
       out['target'] = {n: p for n, p in figures['programs'].items()
@@ -222,6 +229,8 @@ def predicted(b: Mapping[str, Any], draft: str, setting: str, alpha: float, meas
 
 
 def summary_line(b: Mapping[str, Any]) -> str:
+  if 'does_not_fit' in b:
+    return f"does not fit: {b['does_not_fit']}"
   parts = [f"target step {b['target']['target 1']['optimal_seconds'] * 1e6:.0f} us, fits "
            f"{b['target_predict']['fit']['fits']}"]
   for draft in b['drafts']:
@@ -257,18 +266,22 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"γ {meta['gamma']}. Blocks: `topology size mesh(data x model) batch`. Times: "
             "XLA:TPU's `optimal_seconds`, a compiler's estimate for an idle chip (a lower "
             'bound, not a timing).', '']
-  blocks = results['blocks']
-  if not blocks:
+  rows = [[key, '', f"does not fit: {b['does_not_fit']}", '', '', '']
+          for key, b in results['blocks'].items() if 'does_not_fit' in b]
+  blocks = {key: b for key, b in results['blocks'].items() if 'does_not_fit' not in b}
+  rows += [[key, draft, fit_cell(b['target_predict']), fit_cell(d['predict']),
+            loop_cell(b['target_predict']), loop_cell(d['predict'])]
+           for key, b in blocks.items() for draft, d in b['drafts'].items()]
+  if not rows:
     return '\n'.join(lines)
-  rows = [[key, draft, fit_cell(b['target_predict']), fit_cell(d['predict']),
-           loop_cell(b['target_predict']), loop_cell(d['predict'])]
-          for key, b in blocks.items() for draft, d in b['drafts'].items()]
   lines += ['## Fit in HBM (GiB per device) and one iteration of each loop', '',
             'Collectives of the outer loop body; inner: the draft loop body (γ − 1 a '
             'iteration). Copies: cache-sized copies in loop bodies; host: host transfers in '
             'loop bodies.', '']
   lines += harness.table(['block', 'draft', 'target-only needs', 'speculative needs',
                           'target-only loop', 'speculative loop'], rows) + ['']
+  if not blocks:
+    return '\n'.join(lines)
   return '\n'.join(lines + loop_lines(blocks) + speedup_lines(blocks) +
                    t5x_lines(blocks, results.get('t5x', {})))
 
@@ -370,6 +383,8 @@ def main(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
                                   libtpu=libtpu_version()),
              'blocks': previous.get('blocks', {})}
   for b in results['blocks'].values():  # blocks written before `compact`
+    if 'does_not_fit' in b:
+      continue
     b['target_predict'] = compact(b['target_predict'])
     for d in b['drafts'].values():
       d['predict'] = compact(d['predict'])

@@ -63,6 +63,23 @@ def topology_devices(name: str) -> List[Any]:
                      'knows: v4:2x2x1, v5e:2x4, v5p:2x2x1, v6e:2x4, ...') from None
 
 
+class DoesNotFit(Exception):
+  """XLA:TPU refused a program: it needs more HBM than a device has (the message says how
+  much, in XLA's words)."""
+
+
+def compile_program(build: Callable[[], Any]) -> Any:
+  """build() (a lowering and compile); DoesNotFit with XLA's one line when the program does
+  not fit the device's memory."""
+  try:
+    return build()
+  except Exception as error:  # pylint: disable=broad-except  (jax's JaxRuntimeError)
+    if 'RESOURCE_EXHAUSTED' not in str(error):
+      raise
+    line = next((l for l in str(error).splitlines() if 'RESOURCE_EXHAUSTED' in l), str(error))
+    raise DoesNotFit(line.split('RESOURCE_EXHAUSTED: ')[-1].strip()) from None
+
+
 def hbm_bytes(devices: Sequence[Any]) -> int:
   """HBM one device may use: its chip's, split among the chip's devices."""
   kind = devices[0].device_kind

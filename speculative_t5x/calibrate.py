@@ -656,7 +656,11 @@ def compile_only(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> Dic
     seconds = {}
     for name, build in programs.items():
       print(f'batch {batch_size}: compiling {name}...', file=sys.stderr, flush=True)
-      seconds[name] = aot.optimal_seconds(build())
+      try:
+        seconds[name] = aot.optimal_seconds(aot.compile_program(build))
+      except aot.DoesNotFit as error:
+        raise SystemExit(f'error: the {name} program at batch {batch_size} does not fit '
+                         f'{args.topology} (mesh {dict(mesh.shape)}): {error}') from None
     model = aot.step_costs(seconds, batch_size, args.max_gamma, args.temperature)
     alpha = args.alpha if texts is None else counted_alpha(
         pair, texts[:args.sentences], batch_size, args.max_gamma, args.temperature)

@@ -109,3 +109,21 @@ def test_compile_only_calibration_schedules_from_xla_tpu(tmp_path):
   assert loaded.schedule[1] == block['best'] and loaded.alphas[1] == 0.9
   assert 'gamma_schedule = {1: ' in (tmp_path / 't5x_schedule.gin').read_text()
   assert 'Compile-only' in (tmp_path / 'calibration.md').read_text()
+
+
+def test_a_program_that_does_not_fit_is_one_line():
+  message = ('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO '
+             'temporaries (15.48G) exceeds available HBM (15.25G).')
+
+  def build():
+    raise RuntimeError('jax.errors.JaxRuntimeError\n' + message + '\nmore detail')
+
+  with pytest.raises(aot.DoesNotFit, match=r'^Ran out of memory on HBM.*\(15\.25G\)\.$'):
+    aot.compile_program(build)
+  with pytest.raises(ValueError):  # anything else is not a fit
+    aot.compile_program(lambda: (_ for _ in ()).throw(ValueError('bad shape')))
+  results = {'meta': {'command': 'c', 'machine': 'm', 'libtpu': 'x', 'input_length': 512,
+                      'output_length': 128, 'param_dtype': 'bfloat16', 'gamma': 4},
+             'blocks': {'v4:1x1x1 xxl 1x2 b32': {'does_not_fit': message[20:]}}}
+  text = tpu.markdown(results)
+  assert '| v4:1x1x1 xxl 1x2 b32 |  | does not fit: Ran out of memory' in text
