@@ -71,17 +71,17 @@ OUTPUT_LENGTH = 64
 PROBE_ROUNDS = 7  # rounds of the step probes (cheap; their first round compiles and is dropped)
 LOOP_ROUNDS = 5
 # A sampled calibration's rounds, each its own draw: at T=1 five draws priced some gamma 11-15%
-# off its loop at batch 1 and 8, ten within 6.5% (results/cpu/policy_draws).
+# off its loop at batch 1 and 8, ten within 6.5% (a recorded study, in git history).
 SAMPLED_LOOP_ROUNDS = 10
 # Each probe call runs many steps (encodes): one short call per round is too noisy a sample
 # beside loops of seconds.
 ENCODE_REPEATS = 8
 # The fewest batches a batch size's loops run over: at batch 32 greedy, a model fitted on 4
 # batches priced gamma 3 1% faster than gamma 2, which ran 8% faster in a 6-batch job; fitted on
-# 6 other batches it ranked them as the job did (results/cpu/policy_calibrated_greedy_rows).
+# 6 other batches it ranked them as the job did (a recorded study, in git history).
 MIN_BATCHES = 6
 # The token trees a calibration prices by default: the two shapes of the verifiers benchmark
-# that kept most per call at depth 2 and 4 (results/cpu/verifiers_decoder_only_draft.md).
+# that kept most per call at depth 2 and 4 (results/cpu/verifiers/verifiers.md).
 DEFAULT_TREES = '3,1;2,1,1,1'
 
 
@@ -563,9 +563,8 @@ def read_inputs(args: argparse.Namespace) -> List[str]:
   if args.input_file is None:
     try:
       return data.load_split('test', data_dir=args.data_dir)[0]
-    except FileNotFoundError as e:
-      raise SystemExit(f'error: no --input_file and Multi30k not found ({e}); pass '
-                       f'--input_file, --data_dir or set {data.DATA_ENV_VAR}') from None
+    except data.DataNotFound as e:
+      raise SystemExit(f'error: no --input_file, and {e}') from None
   try:
     lines = Path(args.input_file).read_text(encoding='utf-8').splitlines()
   except (OSError, UnicodeDecodeError) as e:

@@ -21,9 +21,13 @@ models trained on it inherit that restriction.
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import os
 from pathlib import Path
+import sys
+import urllib.error
+import urllib.request
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import gin
@@ -62,17 +66,82 @@ SPLIT_FILES = {
 LANGUAGE_PAIRS = {'multi30k_de_en': ('de', 'en'), 'multi30k_en_de': ('en', 'de')}
 
 
+# Where a machine without the data folder gets Multi30k (task 1, raw): the dataset's own
+# repository, at a commit whose files are those of the shared data folder; the checksums are of
+# the decompressed files, so a changed or truncated download is refused, never used.
+MULTI30K_URL = ('https://raw.githubusercontent.com/multi30k/dataset/'
+                'c9be912dc05a3ebf9ae5bb5f7f58c1791cda43ab/data/task1/raw/{name}.gz')
+URL_ENV_VAR = 'SPECULATIVE_T5X_MULTI30K_URL'  # a mirror, with {name} in it
+MULTI30K_SHA256 = {
+    'test_2016_flickr.de': '4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16',
+    'test_2016_flickr.en': '399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182',
+    'train.de': '2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72',
+    'train.en': '460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6',
+    'val.de': '660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660',
+    'val.en': '1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227',
+}
+
+
+class DataNotFound(FileNotFoundError):
+  """A Multi30k file that is neither in the data folder nor in the cache, and could not be
+  fetched; its message is one line that says where it looked and what to do."""
+
+
 def default_data_dir() -> Path:
-  """The shared data folder: $SPECULATIVE_T5X_DATA, else `<repo>/../shared/data`."""
+  """The data folder: $SPECULATIVE_T5X_DATA, else `<repo>/../shared/data` where it exists, else
+  the cache (`cache_dir()`), where Multi30k's files are fetched on first use."""
   env = os.environ.get(DATA_ENV_VAR)
   if env:
     return Path(env)
-  return Path(__file__).resolve().parents[2] / 'shared' / 'data'
+  shared = Path(__file__).resolve().parents[2] / 'shared' / 'data'
+  return shared if (shared / 'multi30k').is_dir() else cache_dir()
+
+
+def cache_dir() -> Path:
+  """`$XDG_CACHE_HOME/speculative_t5x` (default `~/.cache/speculative_t5x`)."""
+  base = os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache'
+  return Path(base) / 'speculative_t5x'
 
 
 def multi30k_dir(data_dir: Optional[os.PathLike] = None) -> Path:
   """The `multi30k/` folder under `data_dir` (default `default_data_dir()`)."""
   return Path(data_dir if data_dir is not None else default_data_dir()) / 'multi30k'
+
+
+def multi30k_file(name: str, data_dir: Optional[os.PathLike] = None) -> Path:
+  """The path of Multi30k's file `name` (e.g. 'test_2016_flickr.de'), fetched into the cache
+  first if the data folder is the cache and lacks it. Raises DataNotFound (one line)."""
+  path = multi30k_dir(data_dir) / name
+  if path.exists():
+    return path
+  if data_dir is not None or default_data_dir() != cache_dir() or name not in MULTI30K_SHA256:
+    raise DataNotFound(f'Multi30k file not found: {path} (set {DATA_ENV_VAR} to a folder '
+                       f'holding multi30k/{name}, or pass --data_dir)')
+  fetch_multi30k(name, path)
+  return path
+
+
+def fetch_multi30k(name: str, path: Path) -> None:
+  """Downloads Multi30k's `name` into `path` (a progress line on stderr), checks its sha256 and
+  writes it atomically, so an interrupted fetch leaves nothing half-written behind."""
+  url = os.environ.get(URL_ENV_VAR, MULTI30K_URL).format(name=name)
+  print(f'fetching Multi30k {name} (once) from {url} into {path.parent}', file=sys.stderr)
+  try:
+    with urllib.request.urlopen(url, timeout=60) as response:
+      text = gzip.decompress(response.read())
+  except (urllib.error.URLError, OSError, EOFError, ValueError) as e:
+    raise DataNotFound(f'cannot fetch Multi30k {name} from {url} ({e}); offline? Put the data '
+                       f'folder (multi30k/{name}) at {path.parent.parent} or set '
+                       f'{DATA_ENV_VAR}') from None
+  digest = hashlib.sha256(text).hexdigest()
+  if digest != MULTI30K_SHA256[name]:
+    raise DataNotFound(f'Multi30k {name} from {url} has sha256 {digest[:12]}..., not '
+                       f'{MULTI30K_SHA256[name][:12]}...: refused')
+  path.parent.mkdir(parents=True, exist_ok=True)
+  partial = path.with_name(path.name + f'.partial{os.getpid()}')
+  partial.write_bytes(text)
+  os.replace(partial, path)
+  print(f'fetched Multi30k {name}: {len(text) / 1e3:.0f} kB, sha256 checked', file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,9 +156,8 @@ def train_vocabulary(data_dir: Optional[os.PathLike] = None, model_prefix: str =
   character coverage so German umlauts and ß never become UNK.
   """
   import sentencepiece as spm
-  root = multi30k_dir(data_dir)
   spm.SentencePieceTrainer.train(
-      input=f'{root / "train.de"},{root / "train.en"}', model_prefix=model_prefix,
+      input=f'{multi30k_file("train.de", data_dir)},{multi30k_file("train.en", data_dir)}', model_prefix=model_prefix,
       model_type='unigram', vocab_size=vocab_size, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID,
       bos_id=-1, character_coverage=1.0, input_sentence_size=0, shuffle_input_sentence=False,
       num_threads=2, minloglevel=2)
@@ -196,10 +264,9 @@ def _vocabulary(path: str) -> SentencePieceVocabulary:
 def load_split(split: str, source: str = 'de', target: str = 'en',
                data_dir: Optional[os.PathLike] = None) -> Tuple[List[str], List[str]]:
   """(source lines, target lines) of a Multi30k split ('train', 'validation', 'test')."""
-  root = multi30k_dir(data_dir)
   stem = SPLIT_FILES[split]
-  src = (root / f'{stem}.{source}').read_text(encoding='utf-8').splitlines()
-  tgt = (root / f'{stem}.{target}').read_text(encoding='utf-8').splitlines()
+  src = multi30k_file(f'{stem}.{source}', data_dir).read_text(encoding='utf-8').splitlines()
+  tgt = multi30k_file(f'{stem}.{target}', data_dir).read_text(encoding='utf-8').splitlines()
   if len(src) != len(tgt):
     raise ValueError(f'{stem}.{source} has {len(src)} lines but {stem}.{target} has {len(tgt)}.')
   return src, tgt
@@ -401,10 +468,9 @@ def _pair_dataset_fn(source: str, target: str, data_dir: Optional[os.PathLike]):
   def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None):
     del shuffle_files, seed  # One file per language and split: nothing to shuffle.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    root = multi30k_dir(data_dir)
     stem = SPLIT_FILES[split]
-    src = tf.data.TextLineDataset(str(root / f'{stem}.{source}'))
-    tgt = tf.data.TextLineDataset(str(root / f'{stem}.{target}'))
+    src = tf.data.TextLineDataset(str(multi30k_file(f'{stem}.{source}', data_dir)))
+    tgt = tf.data.TextLineDataset(str(multi30k_file(f'{stem}.{target}', data_dir)))
     return tf.data.Dataset.zip((src, tgt)).map(lambda s, t: {'inputs': s, 'targets': t})
 
   return dataset_fn

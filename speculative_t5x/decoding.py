@@ -62,7 +62,7 @@ VERIFICATION_CHOICES = VERIFICATIONS + (AUTO_VERIFICATION,)  # what `verificatio
 # tokens per call in expectation (Sun et al. 2025) and keeps the same at gamma 1; its verdict
 # reads every position's residual, which cost at most 0.7% of a target call at batch 1-32 on
 # the project's CPU, against +0.6 / 2.2 / 2.9 / 6.3% tokens per call at gamma 2-5, T=1
-# (results/cpu/verifiers_auto/README.md).
+# (a recorded study of the verdict's cost, in git history).
 BLOCK_FROM_GAMMA = 2
 # What temperature_sample, speculative_sample and trees.tree_speculative_sample take alike: a
 # job that switches among them (a gamma or tree per batch size) keeps these and so samples the

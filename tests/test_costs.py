@@ -19,8 +19,8 @@ from speculative_t5x import models
 from speculative_t5x import policy
 from conftest import tiny_config
 
-# Shaped like the embedded pair at batch 1 on this CPU (results/cpu/policy.md): a 1-token target
-# step 1.24 ms, the verify step growing slowly with its tokens, a draft step a tenth of it.
+# Shaped like the embedded pair at batch 1 on this CPU (an earlier run): a 1-token target step
+# 1.24 ms, the verify step growing slowly with its tokens, a draft step a tenth of it.
 TARGET_MS = {1: 1.24, 2: 1.67, 3: 1.91, 4: 2.00, 5: 1.96}
 DRAFT_MS = {1: 0.12, 2: 0.14}
 

@@ -112,3 +112,56 @@ def test_seqio_tasks(multi30k):
   test = task.get_dataset(None, split='test', shuffle=False)
   assert sum(1 for _ in test) == 1000
   assert task.metric_fns[0](targets[:5], targets[:5])['bleu'] == pytest.approx(100.0)
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+  """A machine without the data folder: the cache is `tmp_path`, nothing in it yet."""
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  monkeypatch.delenv(data.DATA_ENV_VAR, raising=False)
+  monkeypatch.setattr(data, 'default_data_dir', data.cache_dir)
+  return tmp_path
+
+
+def _mirror(folder, texts):
+  """A mirror URL (file://) serving each `name: text` as `<name>.gz`."""
+  import gzip
+  folder.mkdir()
+  for name, text in texts.items():
+    (folder / f'{name}.gz').write_bytes(gzip.compress(text.encode()))
+  return folder.as_uri() + '/{name}.gz'
+
+
+def test_a_machine_without_the_data_folder_fetches_a_split_once_and_checks_it(
+    empty_cache, monkeypatch, capsys):
+  import hashlib
+  texts = {'val.de': 'Ein Hund.\nZwei Katzen.\n', 'val.en': 'A dog.\nTwo cats.\n'}
+  monkeypatch.setenv(data.URL_ENV_VAR, _mirror(empty_cache / 'mirror', texts))
+  monkeypatch.setattr(data, 'MULTI30K_SHA256',
+                      {k: hashlib.sha256(v.encode()).hexdigest() for k, v in texts.items()})
+  assert data.load_split('validation') == (['Ein Hund.', 'Zwei Katzen.'], ['A dog.', 'Two cats.'])
+  assert 'fetching Multi30k val.de' in capsys.readouterr().err
+  (empty_cache / 'mirror' / 'val.de.gz').unlink()  # now cached: no second fetch
+  assert data.load_split('validation')[0] == ['Ein Hund.', 'Zwei Katzen.']
+  assert capsys.readouterr().err == ''
+  assert sorted(p.name for p in data.multi30k_dir().iterdir()) == ['val.de', 'val.en']
+
+
+def test_a_changed_download_is_refused_and_leaves_nothing(empty_cache, monkeypatch):
+  monkeypatch.setenv(data.URL_ENV_VAR, _mirror(empty_cache / 'mirror', {'val.de': 'changed\n'}))
+  with pytest.raises(data.DataNotFound, match='sha256 .* refused'):
+    data.load_split('validation')
+  assert not data.multi30k_dir().exists() or not any(data.multi30k_dir().iterdir())
+
+
+def test_offline_is_one_line_that_says_what_to_do(empty_cache, monkeypatch):
+  monkeypatch.setenv(data.URL_ENV_VAR, 'http://127.0.0.1:9/{name}.gz')  # nothing listens
+  with pytest.raises(data.DataNotFound) as e:
+    data.load_split('test')
+  assert '\n' not in str(e.value) and 'offline?' in str(e.value)
+  assert data.DATA_ENV_VAR in str(e.value)
+
+
+def test_an_explicit_data_folder_is_never_fetched_into(tmp_path):
+  with pytest.raises(data.DataNotFound, match='not found: .*multi30k/val.de'):
+    data.load_split('validation', data_dir=tmp_path)
