@@ -22,7 +22,7 @@ Shapes: `batch` examples, `beam` = num_decodes, `vocab` output classes, `length`
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import flax
 import jax
@@ -116,6 +116,144 @@ def _left_align(tokens: Array) -> Array:
   return jnp.where(source < length, shifted, 0)
 
 
+def _prompt_tokens(inputs: Array, total: int) -> Array:
+  """[batch, input_length] inputs -> [batch, total] int32, the token forced at each sequence slot.
+
+  Slot j holds inputs[:, j] (0 = free; slot 0, the BOS slot, is never read). Zero-padded past
+  the inputs, where T5X would instead re-read the last input column (index clamping).
+  """
+  n = min(inputs.shape[1], total)
+  return jnp.zeros((inputs.shape[0], total), jnp.int32).at[:, :n].set(
+      jnp.asarray(inputs, jnp.int32)[:, :n])
+
+
+def _initial_state(first_token: Array, cache: PyTree, beam: int, total: int, cache_offset: int,
+                   prefilled: bool) -> BeamState:
+  """The search's start: every beam holds first_token [batch] in slot 0, and only beam 0 is alive.
+
+  The other beams start as copies of beam 0 and would repeat its candidates, so they begin at
+  NEG_INF. The cache's `batch` rows are repeated `beam` times ([batch * beam] rows).
+  """
+  batch = first_token.shape[0]
+  return BeamState(
+      step=jnp.array(0, jnp.int32),
+      live_logprobs=jnp.tile(jnp.array([0.0] + [NEG_INF] * (beam - 1), jnp.float32),
+                             (batch, 1)),
+      finished_scores=jnp.full((batch, beam), NEG_INF, jnp.float32),
+      live_seqs=jnp.zeros((batch, beam, total), jnp.int32).at[:, :, 0].set(first_token[:, None]),
+      finished_seqs=jnp.zeros((batch, beam, total), jnp.int32),
+      finished_flags=jnp.zeros((batch, beam), jnp.bool_),
+      # A prefilled T5X cache has a [batch] 'cache_index' that needs expanding too.
+      cache=cache_map(lambda x: jnp.repeat(x, beam, axis=cache_offset), cache, cache_offset,
+                      apply_to_index=prefilled))
+
+
+class _Candidates(NamedTuple):
+  """One step's candidates: the best 2 * beam one-token extensions of an example's live beams.
+
+  seqs:      [batch, 2 * beam, total] int32, the parents' sequences with the new token.
+  log_probs: [batch, 2 * beam] float32, raw log-probabilities, descending.
+  parent:    [batch, 2 * beam] int32, the live beam each extends.
+  finished:  [batch, 2 * beam] bool, the new token is EOS.
+  """
+  seqs: Array
+  log_probs: Array
+  parent: Array
+  finished: Array
+
+
+def _top_ascending(scores: Array, k: int) -> Array:
+  """scores [batch, n] -> [batch, k], the indices of the k largest, ascending (best last)."""
+  _, index = lax.top_k(scores, k)
+  return jnp.flip(index, axis=1)
+
+
+def _grow_beams(log_probs: Array, live_seqs: Array, step: Array, forced: Optional[Array],
+                eos_id: int) -> _Candidates:
+  """The step's candidates (T5X's `grow_topk`), from every one-token extension's log-prob.
+
+  log_probs: [batch, beam, vocab], each live beam's log-prob plus its next token's.
+  live_seqs: [batch, beam, total]. step: [batch], each example's step; its token goes to slot
+  step + 1. forced: [batch, total] prompt tokens (0 = free, see `_prompt_tokens`) or None.
+  Keeping 2 * beam lets `beam` beams stay alive even if all of the best ones end in EOS.
+  """
+  batch, beam, vocab = log_probs.shape
+  num_candidates = 2 * beam
+  cand_log_probs, flat_index = lax.top_k(log_probs.reshape(batch, beam * vocab), num_candidates)
+  parent = flat_index // vocab
+  token = flat_index % vocab
+  if forced is not None:
+    # Inside the prompt, the forced token replaces the candidates' tokens, and only the first
+    # candidate stays alive, restarted at log-prob 0 (T5X scores only the continuation).
+    # Clipped: speculative_beam_search also computes, and discards, steps past an example's end.
+    forced_token = jnp.take_along_axis(forced, step[:, None] + 1, axis=1,
+                                       mode='clip')  # [batch, 1]
+    in_prompt = forced_token != 0
+    prompt_log_probs = jnp.where(jnp.arange(num_candidates) == 0, 0.0, NEG_INF)
+    cand_log_probs = jnp.where(in_prompt, prompt_log_probs[None, :], cand_log_probs)
+    token = jnp.where(in_prompt, forced_token, token)
+  seqs = _gather_beams(live_seqs, parent)
+  seqs = jnp.where(jnp.arange(live_seqs.shape[2]) == step[:, None, None] + 1, token[:, :, None],
+                   seqs)
+  return _Candidates(seqs=seqs, log_probs=cand_log_probs, parent=parent, finished=token == eos_id)
+
+
+def _select_live(candidates: _Candidates, beam: int) -> Tuple[Array, Array, Array]:
+  """The new live beams: the best `beam` candidates that did not end in EOS, ascending.
+
+  Returns (live_seqs [batch, beam, total], live_logprobs [batch, beam], parent [batch, beam]:
+  the old live beam each extends, whose cache it inherits).
+  """
+  # Adding NEG_INF (not replacing by it) keeps T5X's order when fewer than `beam` candidates
+  # live on.
+  log_probs = jnp.where(candidates.finished, candidates.log_probs + NEG_INF, candidates.log_probs)
+  keep = _top_ascending(log_probs, beam)
+  return (_gather_beams(candidates.seqs, keep), _gather_beams(log_probs, keep),
+          _gather_beams(candidates.parent, keep))
+
+
+def _merge_finished(state: BeamState, candidates: _Candidates, lengths: Array,
+                    alpha: float) -> BeamState:
+  """`state` with its finished set replaced by the best `beam` of it and the candidates that
+  ended in EOS, ascending (T5X's `grow_finished`).
+
+  lengths: [batch, 1], the candidates' sequence lengths (prompt and new token included); a
+  candidate's score is its log-prob / brevity_penalty(alpha, length).
+  """
+  beam = state.finished_scores.shape[1]
+  scores = candidates.log_probs / brevity_penalty(alpha, lengths)
+  scores = jnp.where(candidates.finished, scores, scores + NEG_INF)
+  pooled_scores = jnp.concatenate([state.finished_scores, scores], axis=1)
+  best = _top_ascending(pooled_scores, beam)
+  return state.replace(
+      finished_seqs=_gather_beams(
+          jnp.concatenate([state.finished_seqs, candidates.seqs], axis=1), best),
+      finished_scores=_gather_beams(pooled_scores, best),
+      finished_flags=_gather_beams(
+          jnp.concatenate([state.finished_flags, candidates.finished], axis=1), best))
+
+
+def _search_result(final: BeamState, length: int,
+                   prompts: Optional[Array]) -> Tuple[Array, Array]:
+  """beam_search's result from its final state: (sequences [batch, beam, length], scores).
+
+  Examples where no beam reached EOS return their live beams, scored by raw log-probability.
+  prompts: [batch, input_length] the right-aligned prompts of a prefilled cache, else None.
+  """
+  any_finished = jnp.any(final.finished_flags, axis=1)
+  seqs = jnp.where(any_finished[:, None, None], final.finished_seqs, final.live_seqs)
+  scores = jnp.where(any_finished[:, None], final.finished_scores, final.live_logprobs)
+  if prompts is None:
+    return seqs[:, :, 1:], scores  # drop the BOS slot
+  # Slot 0 repeats the prompt's last token: put the whole prompt back in front of the
+  # continuation, then left-align (dropping the BOS and padding) and cut to length.
+  batch, beam, _ = seqs.shape
+  prompts = jnp.broadcast_to(prompts[:, None, :], (batch, beam, prompts.shape[1]))
+  full = jnp.concatenate([prompts, seqs[:, :, 1:]], axis=2)
+  full = _left_align(full.reshape(batch * beam, -1)).reshape(full.shape)
+  return full[:, :, :length], scores
+
+
 def beam_search(inputs: Array,
                 cache: PyTree,
                 tokens_to_logits: Callable[[DecodingState], Tuple[Array, PyTree]],
@@ -134,9 +272,10 @@ def beam_search(inputs: Array,
   Each step scores every one-token extension of the live beams and keeps the best 2 * beam
   candidates, so that `beam` can stay alive even if all of the best ones end in EOS. Candidates
   ending in EOS compete for the finished set with score log_prob / brevity_penalty(alpha,
-  length); the best `beam` of the others become the new live beams. The search stops at max length, or when no live beam can still beat the worst
-  finished one, or (optionally) after `max_decode_step` steps or when every live beam falls below
-  `min_log_prob`. One jit-compilable `lax.while_loop`; all shapes are static.
+  length); the best `beam` of the others become the new live beams. The search stops at max
+  length, or when no live beam can still beat the worst finished one, or (optionally) after
+  `max_decode_step` steps or when every live beam falls below `min_log_prob`. One
+  jit-compilable `lax.while_loop`; all shapes are static.
 
   Args:
     inputs: [batch, input_length] int32. Without `initial_index`: `inputs[:, 0]` is the BOS slot
@@ -190,36 +329,20 @@ def beam_search(inputs: Array,
 
   if prefilled:
     initial_index = jnp.asarray(initial_index, jnp.int32)
-    right_aligned = _right_align(inputs)
+    prompts = _right_align(inputs)
     # Every beam starts from the last prompt token; the rest of the prompt is in the cache.
-    first_token = right_aligned[:, -1]
-    live_seqs0 = jnp.zeros((batch, beam, total), jnp.int32).at[:, :, 0].set(first_token[:, None])
+    first_token = prompts[:, -1]
     forced = None  # nothing left to force
   else:
     initial_index = jnp.zeros((batch,), jnp.int32)
-    live_seqs0 = jnp.zeros((batch, beam, total), jnp.int32)
-    # forced[:, j] is the prompt token for sequence slot j (0 = free). Zero-padded past the
-    # inputs, where T5X would instead re-read the last input column (index clamping).
-    n = min(input_length, total)
-    forced = jnp.zeros((batch, total), jnp.int32).at[:, :n].set(inputs[:, :n])
+    first_token = jnp.zeros((batch,), jnp.int32)
+    prompts = None
+    forced = _prompt_tokens(inputs, total)
 
   # [batch * beam] per-row position of step 0's token.
   flat_initial_index = jnp.repeat(initial_index, beam)
   min_initial_index = jnp.min(initial_index)
-
-  state0 = BeamState(
-      step=jnp.array(0, jnp.int32),
-      # Only beam 0 is alive at first: the others are copies and would repeat its candidates.
-      live_logprobs=jnp.tile(jnp.array([0.0] + [NEG_INF] * (beam - 1), jnp.float32),
-                             (batch, 1)),
-      finished_scores=jnp.full((batch, beam), NEG_INF, jnp.float32),
-      live_seqs=live_seqs0,
-      finished_seqs=jnp.zeros((batch, beam, total), jnp.int32),
-      finished_flags=jnp.zeros((batch, beam), jnp.bool_),
-      # A prefilled T5X cache has a [batch] 'cache_index' that needs expanding too.
-      cache=cache_map(lambda x: jnp.repeat(x, beam, axis=cache_offset), cache, cache_offset,
-                      apply_to_index=prefilled))
-
+  state0 = _initial_state(first_token, cache, beam, total, cache_offset, prefilled)
   # The smallest penalty any live beam can still get is the one at full length.
   min_brevity_penalty = brevity_penalty(alpha, total)
 
@@ -254,79 +377,22 @@ def beam_search(inputs: Array,
                               (logits, state.cache))
     new_cache = match_container(new_cache, state.cache)
     logits = _last_token_logits(flat_logits).astype(jnp.float32)
-    vocab = logits.shape[-1]
     # [batch, beam, vocab] log-probabilities of every one-token extension.
-    log_probs = (jax.nn.log_softmax(logits).reshape(batch, beam, vocab) +
+    log_probs = (jax.nn.log_softmax(logits).reshape(batch, beam, logits.shape[-1]) +
                  state.live_logprobs[:, :, None])
 
-    # The best 2 * beam extensions over all beams: [batch, 2 * beam] each.
-    num_candidates = 2 * beam
-    cand_log_probs, flat_index = lax.top_k(log_probs.reshape(batch, beam * vocab), num_candidates)
-    cand_parent = flat_index // vocab
-    cand_token = flat_index % vocab
-
-    if forced is not None:
-      # Inside the prompt, the forced token replaces the candidates' tokens, and only the first
-      # candidate stays alive, restarted at log-prob 0 (T5X scores only the continuation).
-      forced_token = jnp.take_along_axis(forced, step[:, None] + 1, axis=1,
-                                         mode='clip')  # [batch, 1]
-      in_prompt = forced_token != 0
-      prompt_log_probs = jnp.where(jnp.arange(num_candidates) == 0, 0.0, NEG_INF)
-      cand_log_probs = jnp.where(in_prompt, prompt_log_probs[None, :], cand_log_probs)
-      cand_token = jnp.where(in_prompt, forced_token, cand_token)
-
-    # [batch, 2 * beam, total]: parents' sequences extended by the candidate tokens.
-    cand_seqs = _gather_beams(state.live_seqs, cand_parent)
-    cand_seqs = jnp.where(jnp.arange(total) == step[:, None, None] + 1, cand_token[:, :, None],
-                          cand_seqs)
-    cand_finished = cand_token == eos_id
-
-    # Live set: the best `beam` candidates that did not end, ascending (best last). Adding
-    # NEG_INF (not replacing by it) keeps T5X's order when fewer than `beam` candidates live on.
-    live_candidate_log_probs = jnp.where(cand_finished, cand_log_probs + NEG_INF, cand_log_probs)
-    _, keep = lax.top_k(live_candidate_log_probs, beam)
-    keep = jnp.flip(keep, axis=1)
-    live_seqs = _gather_beams(cand_seqs, keep)
-    live_logprobs = _gather_beams(live_candidate_log_probs, keep)
+    candidates = _grow_beams(log_probs, state.live_seqs, step, forced, eos_id)
+    live_seqs, live_logprobs, parent = _select_live(candidates, beam)
     # The surviving beams' caches are their parents' caches, written this step.
-    parent = _gather_beams(cand_parent, keep)  # [batch, beam]
     flat_parent = (jnp.arange(batch)[:, None] * beam + parent).reshape(batch * beam)
     new_cache = cache_map(lambda x: jnp.take(x, flat_parent, axis=cache_offset), new_cache,
                           cache_offset, apply_to_index=prefilled)
-
-    # Finished set: the best `beam` of the old finished and the newly ended candidates.
     # Sequence length counts the prompt (initial_index) and the token just chosen.
     lengths = initial_index[:, None] + (step[:, None] + 1)  # [batch, 1]
-    cand_scores = cand_log_probs / brevity_penalty(alpha, lengths)
-    cand_scores = jnp.where(cand_finished, cand_scores, cand_scores + NEG_INF)
-    pooled_scores = jnp.concatenate([state.finished_scores, cand_scores], axis=1)
-    _, best = lax.top_k(pooled_scores, beam)
-    best = jnp.flip(best, axis=1)
-    finished_seqs = _gather_beams(jnp.concatenate([state.finished_seqs, cand_seqs], axis=1), best)
-    finished_scores = _gather_beams(pooled_scores, best)
-    finished_flags = _gather_beams(
-        jnp.concatenate([state.finished_flags, cand_finished], axis=1), best)
+    return _merge_finished(state, candidates, lengths, alpha).replace(
+        step=state.step + 1, live_logprobs=live_logprobs, live_seqs=live_seqs, cache=new_cache)
 
-    return BeamState(step=state.step + 1, live_logprobs=live_logprobs,
-                     finished_scores=finished_scores, live_seqs=live_seqs,
-                     finished_seqs=finished_seqs, finished_flags=finished_flags, cache=new_cache)
-
-  final = loop_fn(cond_fn, body_fn, state0)
-
-  # Examples where no beam reached EOS return their live beams, scored by raw log-probability.
-  any_finished = jnp.any(final.finished_flags, axis=1)
-  seqs = jnp.where(any_finished[:, None, None], final.finished_seqs, final.live_seqs)
-  scores = jnp.where(any_finished[:, None], final.finished_scores, final.live_logprobs)
-
-  if not prefilled:
-    return seqs[:, :, 1:], scores  # drop the BOS slot
-
-  # Slot 0 repeats the prompt's last token: put the whole prompt back in front of the
-  # continuation, then left-align (dropping the BOS and padding) and cut to length.
-  prompts = jnp.broadcast_to(right_aligned[:, None, :], (batch, beam, input_length))
-  full = jnp.concatenate([prompts, seqs[:, :, 1:]], axis=2)
-  full = _left_align(full.reshape(batch * beam, -1)).reshape(full.shape)
-  return full[:, :, :length], scores
+  return _search_result(loop_fn(cond_fn, body_fn, state0), length, prompts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -651,11 +717,8 @@ def speculative_beam_search(inputs: Array,
   flat_index = jnp.repeat(example_index, beam)
   forced = forced_rows = None
   if initial_index is None:
-    # As beam_search forces them: sequence slot j holds inputs[:, j] where non-zero. Padded so
-    # that the levels below the last slot read 0.
-    n = min(input_length, total)
-    forced = jnp.zeros((batch, total), jnp.int32).at[:, :n].set(
-        jnp.asarray(inputs, jnp.int32)[:, :n])
+    # As beam_search forces them. Padded so that the levels below the last slot read 0.
+    forced = _prompt_tokens(inputs, total)
     forced_rows = jnp.repeat(jnp.pad(forced, ((0, 0), (0, max_depth + 1))), beam, axis=0)
   # Steps are taken from step s while s + min(initial_index) < total - 1 (and s < max_decode_step).
   last_step = total - 1 - jnp.min(example_index)

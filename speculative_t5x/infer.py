@@ -359,9 +359,7 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   decode_kwargs = _bound_decode_kwargs(model.decode_fn, model.decode_kwargs)
   _check_decoding(model, decode_kwargs, num_decodes, max_gamma)
   calibrated = _load_calibration(calibration)
-  store = chunks.ChunkStore(Path(output_dir), job.name, shard_id, num_shards, job.num_processes)
-  if job.process == 0:
-    chunks.atomic_write(Path(output_dir) / 'config.gin', gin.config_str())
+  store = _output_store(job, Path(output_dir))
   done = store.completed_summary()
   if done is not None:
     return done
@@ -384,18 +382,8 @@ def infer(*, model: models.EncoderDecoderModel = gin.REQUIRED, output_dir: str =
   resumed = run.decode_chunks(store, examples, vocabulary, output_ids, progress, chunk_hook)
   if job.process != 0:
     return {}
-  records, decode_seconds = store.merge(run.num_chunks(examples), [ex.index for ex in examples])
-  summary = _summary(records, model, decode_kwargs, report, {
-      'wall_seconds': time.time() - wall_start, 'compile_seconds': run.compile_seconds,
-      'load_seconds': load_seconds, 'decode_seconds': decode_seconds,
-      'resumed_chunks': resumed, 'chunks': run.num_chunks(examples)}, {
-          'target_checkpoint': target_checkpoint_path,
-          'draft_checkpoint': draft_checkpoint_path if model.uses_draft else None,
-          **job.summary()})
-  summary['policy'] = _policy_summary(records, decoding_policy, batch_size, decode_kwargs)
-  store.finish(records, summary, gin.operative_config_str())
-  logging.info('Wrote %d predictions to %s', len(records), store.output_path)
-  return summary
+  return _write_summary(store, run, examples, model, decode_kwargs, report, wall_start,
+                        load_seconds, resumed, (target_checkpoint_path, draft_checkpoint_path))
 
 
 def _read(job: Job, vocabulary: Any) -> Tuple[List[inputs.Example], inputs.InputReport]:
@@ -406,6 +394,15 @@ def _read(job: Job, vocabulary: Any) -> Tuple[List[inputs.Example], inputs.Input
 
 # ------------------------------------------------------------------------------------------------
 # The job's parts.
+
+
+def _output_store(job: Job, output_dir: Path) -> chunks.ChunkStore:
+  """The job's chunk store in output_dir, where process 0 first writes the parsed config
+  (config.gin)."""
+  store = chunks.ChunkStore(output_dir, job.name, job.shard_id, job.num_shards, job.num_processes)
+  if job.process == 0:
+    chunks.atomic_write(output_dir / 'config.gin', gin.config_str())
+  return store
 
 
 def _load_pair(model: models.EncoderDecoderModel, target_path: Optional[str],
@@ -576,6 +573,31 @@ def _process_rows(outputs: Any, process: int, local_batch: int) -> Any:
     outputs = multihost_utils.process_allgather(outputs, tiled=True)
   outputs = jax.tree.map(np.asarray, outputs)
   return jax.tree.map(lambda x: x[process * local_batch:(process + 1) * local_batch], outputs)
+
+
+def _write_summary(store: chunks.ChunkStore, run: _Run, examples: Sequence[inputs.Example],
+                   model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
+                   report: inputs.InputReport, wall_start: float, load_seconds: float,
+                   resumed: int, checkpoint_paths: Tuple[str, Optional[str]]) -> Dict[str, Any]:
+  """Process 0's end of the job: merges the committed chunks into the predictions file and
+  writes the run summary (returned) and the operative config beside it.
+
+  wall_start: time.time() when the job began; resumed: the chunks an earlier run committed;
+  checkpoint_paths: (target, draft) as given.
+  """
+  num_chunks = run.num_chunks(examples)
+  records, decode_seconds = store.merge(num_chunks, [ex.index for ex in examples])
+  target_path, draft_path = checkpoint_paths
+  summary = _summary(records, model, decode_kwargs, report, {
+      'wall_seconds': time.time() - wall_start, 'compile_seconds': run.compile_seconds,
+      'load_seconds': load_seconds, 'decode_seconds': decode_seconds,
+      'resumed_chunks': resumed, 'chunks': num_chunks}, {
+          'target_checkpoint': target_path,
+          'draft_checkpoint': draft_path if model.uses_draft else None, **run.job.summary()})
+  summary['policy'] = _policy_summary(records, run.policy, run.job.batch_size, decode_kwargs)
+  store.finish(records, summary, gin.operative_config_str())
+  logging.info('Wrote %d predictions to %s', len(records), store.output_path)
+  return summary
 
 
 def _summary(records: List[Dict[str, Any]], model: models.EncoderDecoderModel,
