@@ -14,7 +14,7 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
   """Imports `module`, or raises MissingExtraError: '<purpose> need: pip install ...[<extra>]'.
 
   The core install (jax, flax, gin, orbax, sentencepiece) never needs this; seqio/TensorFlow,
-  sacrebleu, torch/transformers and matplotlib are extras (setup.py's extras_require).
+  sacrebleu, torch/transformers and CTranslate2 are extras (setup.py's extras_require).
   """
   try:
     return importlib.import_module(module)
