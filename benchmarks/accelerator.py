@@ -1,24 +1,21 @@
-"""Step and loop times at T5 1.1 large/XL shapes on an accelerator, beside the roofline projection.
+"""Step and loop times at T5 1.1 large/XL shapes on an accelerator: does speculation pay there?
 
   python -m benchmarks.accelerator --out_dir results/gpu  # a GPU machine
   python -m benchmarks.accelerator --tiny --machine cpu  # tiny configs on any machine (tests)
 
 Random weights (nothing to download), the shipped T5 1.1 configs (target --sizes, draft small),
-inputs --input_length / outputs --output_length, parameters in --param_dtype, one device. For
-each (size, batch) it times, as `benchmarks.harness.step_times_ms` times steps inside a jitted
-loop: the target's 1-token and (gamma + 1)-token steps and the draft's 1- and 2-token steps; and
-both loops whole (target-only greedy, greedy speculative at each --gammas; every row decodes
-all positions: no EOS), round-robin over --rounds. Beside each step: its roofline projection
-(`benchmarks.roofline.step_seconds` from the step program's own cost analysis on this backend
-and the --hardware entry of `roofline.HARDWARE`, detected from the device kind); beside each
-speculative loop: the time its measured steps predict (target calls x (draft steps + verify)),
-and the cache-sized copies and dtype conversions inside its compiled loop bodies on this backend.
-Random weights accept few draft tokens; --alpha A makes the speculative loops accept each draft
-token with probability A instead (`fixed_acceptance_rule`, sampling at T=1: a rule for
-benchmarks only, never offered to users), so that a loop at a real pair's acceptance is timed at
-sizes whose weights no one ships here, and `verdict` says whether it pays and how it compares
-with the paper's formula at the measured c. --unroll_draft adds each speculative loop with its
-draft calls unrolled (`speculative_sample(unroll_draft=True)`: no draft while loop).
+--input_length / --output_length, parameters in --param_dtype, one device. Per (size, batch):
+the target's 1- and (gamma + 1)-token steps and the draft's 1- and 2-token steps, timed inside
+a jitted loop (`harness.step_times_ms`), each beside XLA's flops and bytes accessed of the step
+compiled alone, the GB/s those bytes take at the measured time (against the chip's HBM
+bandwidth: how far a step is from streaming its weights) and on a TPU XLA:TPU's estimate; then
+the loops whole (target-only greedy, speculative at each --gammas; no EOS: every row decodes
+every position), round-robin over --rounds, each beside the time its measured steps predict and
+the cache-sized copies and dtype conversions in its compiled loop bodies. Random weights accept
+few draft tokens: --alpha A makes the speculative loops accept each draft token with
+probability A (`fixed_acceptance_rule` at T=1, for benchmarks only), so that `verdict` says
+whether a loop at a real pair's acceptance pays, against the paper's formula at the measured c.
+--unroll_draft adds each speculative loop with its draft calls unrolled (no draft while loop).
 """
 
 from __future__ import annotations
@@ -32,9 +29,9 @@ import numpy as np
 
 from benchmarks import compiled as xla
 from benchmarks import harness
-from benchmarks import roofline
 from benchmarks.harness import Setting
 from benchmarks import scale
+from speculative_t5x import aot
 from speculative_t5x import costs
 from speculative_t5x import decoding
 from speculative_t5x import network
@@ -53,13 +50,6 @@ def fixed_acceptance_rule(alpha: float) -> decoding.VerifyRule:
                              lambda p, q: p)
 
 
-def detect_hardware() -> Optional[str]:
-  """The roofline.HARDWARE entry of this machine's first device, or None."""
-  kind = jax.devices()[0].device_kind.lower().replace(' ', '')
-  return next((name for name, kinds in roofline.DEVICE_KINDS.items()
-               if any(k in kind for k in kinds)), None)
-
-
 def random_pair(target: network.T5Config, draft: network.T5Config, dtype: str) -> Any:
   """A harness pair of random weights in `dtype`, initialised on the device."""
   params = {}
@@ -69,23 +59,24 @@ def random_pair(target: network.T5Config, draft: network.T5Config, dtype: str) -
   return harness.make_pair(target, draft, params)
 
 
-def step_projections(pair: Any, batch: int, ks: Mapping[str, Sequence[int]],
-                     shapes: Sequence[int], hardware: Optional[str]) -> Dict[str, Any]:
-  """Per model and k: the step program's flops and bytes on this backend, and its projected ms
-  on `hardware` (None: figures only)."""
+def step_costs(pair: Any, batch: int, ks: Mapping[str, Sequence[int]], shapes: Sequence[int]
+               ) -> Dict[str, Any]:
+  """Per model and k: flops, bytes accessed and ops of one cached decoder step compiled alone on
+  this backend (`aot.step_program`, one device), and XLA:TPU's estimate on a TPU."""
   mesh = partitioning.create_mesh((1, 1), devices=jax.devices()[:1])
   rules = partitioning.standard_logical_axis_rules()
+  caches = dict(zip(('target', 'draft'),
+                    aot.abstract_caches(pair.model(), pair.params, batch, *shapes)))
   out = {}
   for name, widths in ks.items():
-    config = pair.configs[name]
-    cache = scale.abstract_cache(config, pair.params[name], batch, *shapes)
     out[name] = {}
     for k in widths:
-      cost = scale.step_program(config, pair.params[name], pair.params['decode'][name], cache,
-                                mesh, rules, k)
-      if hardware:
-        cost['projected_ms'] = 1e3 * roofline.step_seconds(cost, 1, roofline.HARDWARE[hardware])
-      out[name][str(k)] = cost
+      program = aot.step_program(pair.configs[name], pair.params[name],
+                                 pair.params['decode'][name], caches[name], mesh, rules, k)
+      cost = xla.cost(program)
+      if 'optimal_seconds' in cost:  # XLA:TPU's estimate, its unpriced calls corrected
+        cost['optimal_seconds'] = aot.optimal_seconds(program)
+      out[name][str(k)] = {**cost, 'ops': xla.entry_ops(xla.Module.parse(program.as_text()))}
   return out
 
 
@@ -126,7 +117,7 @@ def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], r
   out = {}
   for name, (setting, overrides) in settings.items():
     c = compiled[name]
-    text = c.predictor.compile(None, batches[0], c.rngs[0]).as_text()
+    text = c.predictor.compile(None, batches[0], c.keys[0][0]).as_text()
     loops_seen = xla.summarize_loops(xla.loop_report(text, layer))
     row = {'ms_per_pass': harness.ms_per(times[name], 1),
            'compile_s': c.info()['compile_s'], 'cache_sized_copies': loops_seen['big_copies'],
@@ -142,7 +133,7 @@ def loops(pair: Any, batch: int, gammas: Sequence[int], shapes: Sequence[int], r
 
 
 def block(size: str, batch: int, args: argparse.Namespace) -> Dict[str, Any]:
-  """Steps (timed and projected) and loops (timed and predicted from the steps)."""
+  """Steps (timed, with their compiled costs) and loops (timed and predicted from the steps)."""
   target = scale.model_config('tiny' if args.tiny else size)
   draft = scale.model_config('tiny_draft' if args.tiny else scale.DRAFT)
   pair = random_pair(target, draft, args.param_dtype)
@@ -150,10 +141,11 @@ def block(size: str, batch: int, args: argparse.Namespace) -> Dict[str, Any]:
   ks = {'target': sorted({1} | {g + 1 for g in args.gammas}), 'draft': [1, 2]}
   timed = {name: harness.step_times_ms(pair, name, batch, widths, args.rounds, shapes=shapes)
            for name, widths in ks.items()}
-  steps = step_projections(pair, batch, ks, shapes, args.hardware)
+  steps = step_costs(pair, batch, ks, shapes)
   for name, widths in timed.items():
     for k, ms in widths.items():
-      steps[name][str(k)]['measured_ms'] = ms
+      step = steps[name][str(k)]
+      step.update(measured_ms=ms, achieved_gbs=step['bytes_accessed'] / ms / 1e6)
   loop = loops(pair, batch, args.gammas, shapes, args.rounds, args.alpha, args.unroll_draft)
   c = timed['draft'][1] / timed['target'][1]
   for row in loop.values():
@@ -187,18 +179,21 @@ def verdict(key: str, b: Mapping[str, Any]) -> str:
 def markdown(results: Mapping[str, Any]) -> str:
   lines = harness.heading('Accelerator: steps and loops at T5 1.1 shapes', results)
   alpha = results['meta'].get('alpha')
-  lines += [f"Hardware entry of the projection: {results['meta']['hardware']}. " + (
-      f'Speculative loops accept each draft token with probability {alpha:g} '
-      '(`fixed_acceptance_rule`, benchmarks only).' if alpha is not None else
-      'Speculative loops greedy (random weights: few draft tokens accepted).'), '']
+  lines += ["Steps: XLA's flops and bytes accessed of each step compiled alone, the GB/s those "
+            "bytes take at the measured time (a step reading its weights at the chip's HBM "
+            "bandwidth is as fast as it gets), XLA:TPU's estimate on a TPU. " + (
+                f'Speculative loops accept each draft token with probability {alpha:g} '
+                '(`fixed_acceptance_rule`, benchmarks only).' if alpha is not None else
+                'Speculative loops greedy (random weights: few draft tokens accepted).'), '']
   lines += [f'- {verdict(key, b)}' for key, b in results['blocks'].items()] + ['']
   for key, b in results['blocks'].items():
     lines += [f'## {key} (input, output: {b["shapes"]})', '']
     lines += harness.table(
-        ('step', 'measured ms', 'projected ms', 'GFLOP', 'MB accessed'),
-        [[f'{name} {k} tokens', f"{s['measured_ms']:.3f}", harness.fmt(s.get('projected_ms'),
-                                                                      '.4f'),
-          f"{s['flops'] / 1e9:.3f}", f"{s['bytes_accessed'] / 1e6:.1f}"]
+        ('step', 'measured ms', 'GFLOP', 'MB accessed', 'GB/s at the measured time',
+         'XLA:TPU estimate ms'),
+        [[f'{name} {k} tokens', f"{s['measured_ms']:.3f}", f"{s['flops'] / 1e9:.3f}",
+          f"{s['bytes_accessed'] / 1e6:.1f}", f"{s['achieved_gbs']:.0f}",
+          harness.fmt(s.get('optimal_seconds', 0) * 1e3 or None, '.4f')]
          for name, widths in b['steps'].items() for k, s in widths.items()]) + ['']
     lines += harness.table(
         ('loop', 'ms per pass', 'predicted from steps ms', 'target calls', 'accepted',
@@ -219,7 +214,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   p.add_argument('--input_length', type=int, default=scale.INPUT_LENGTH)
   p.add_argument('--output_length', type=int, default=128)
   p.add_argument('--param_dtype', default='bfloat16')
-  p.add_argument('--hardware', default=None, help=f'one of {list(roofline.HARDWARE)}')
   p.add_argument('--tiny', action='store_true', help='tiny configs and shapes (any machine)')
   p.add_argument('--alpha', type=float, default=None,
                  help='benchmarks only: accept each draft token with this probability '
@@ -228,10 +222,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                  help='also time each speculative loop with its draft calls unrolled')
   args = p.parse_args(argv)
   args.gammas = harness.parse_ints(args.gammas, '--gammas')
-  args.hardware = args.hardware or detect_hardware()
   if args.alpha is not None and not 0 <= args.alpha <= 1:
     raise SystemExit(f'error: --alpha must be in [0, 1], got {args.alpha}')
-  results = {'meta': harness.meta(NAME, argv, args, hardware=args.hardware, alpha=args.alpha,
+  results = {'meta': harness.meta(NAME, argv, args, alpha=args.alpha,
                                   param_dtype=args.param_dtype), 'blocks': {}}
   for size in (['tiny'] if args.tiny else args.sizes.split(',')):
     for batch in harness.parse_ints(args.batches, '--batches'):

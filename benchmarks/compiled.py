@@ -1,25 +1,21 @@
 """What a compiled XLA program says about itself: memory, cost, and the collectives of its loops.
 
 Imports only JAX and numpy, so that the T5X side of `benchmarks.scale` (a separate process in
-T5X's own environment, `benchmarks.scale_t5x`) reads its programs with the same code.
-
-How XLA's cost analysis counts loops (checked by `while_cost_is_per_body`): a `while` body is
-counted once, not times its trip count; so is a nested loop's body. A program's flops are
-therefore "everything outside the loops + one iteration of each loop body", and per-token
-figures have to come from step programs compiled alone (what `benchmarks.scale` does).
-
-The HLO text parser reads the optimised module (`compiled.as_text()`): computations, the
-instructions of each, and which computations a `while` runs as its body. Collectives are
-counted per computation, following calls, conditionals and nested loops but not fusions (a
-collective is never fused).
+T5X's own environment, `benchmarks.scale_t5x`) reads its programs with the same code. XLA's
+cost analysis counts a `while` body once, not times its trip count (`while_cost_is_per_body`):
+per-step figures come from programs compiled without loops. The HLO text parser reads the
+optimised module (`compiled.as_text()`); collectives are counted per computation, following
+calls, conditionals and nested loops but not fusions (a collective is never fused).
 """
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -148,13 +144,21 @@ def collectives(instructions: List[Instruction]) -> Dict[str, Dict[str, int]]:
     if kind in COLLECTIVES:
       out[kind]['count'] += 1
       # An async start returns (operand, result, ...): the result is its largest array.
-      out[kind]['bytes'] += (max((shape_bytes(s) for s in _split_tuple(inst.shape)), default=0)
-                             if inst.opcode.endswith('-start') else inst.bytes)
+      out[kind]['bytes'] += (max((shape_bytes(m.group(0)) for m in _ARRAY.finditer(inst.shape)),
+                                 default=0) if inst.opcode.endswith('-start') else inst.bytes)
   return dict(out)
 
 
-def _split_tuple(shape: str) -> List[str]:
-  return [m.group(0) for m in _ARRAY.finditer(shape)]
+_SHORT = {'all-reduce': 'AR', 'all-gather': 'AG', 'reduce-scatter': 'RS', 'all-to-all': 'A2A',
+          'collective-permute': 'CP', 'collective-broadcast': 'CB'}
+
+
+def collective_text(table: Mapping[str, Mapping[str, int]]) -> str:
+  """A `collectives` table as 'AR 75 (2.3 MB), AG 32 (0.4 MB)', or '0'."""
+  if not table:
+    return '0'
+  return ', '.join(f"{_SHORT.get(k, k)} {v['count']} ({v['bytes'] / 1e6:.2g} MB)"
+                   for k, v in sorted(table.items()))
 
 
 def loop_report(text: str, big_bytes: int) -> List[Dict[str, Any]]:
@@ -163,7 +167,7 @@ def loop_report(text: str, big_bytes: int) -> List[Dict[str, Any]]:
   and how many dtype conversions of that size it runs."""
   module = Module.parse(text)
   out = []
-  for name, body in module.whiles():
+  for _, body in module.whiles():
     own = module.instructions(body)
     big = [i for i in own if i.opcode in ('copy', 'copy-start') and i.bytes >= big_bytes]
     # Cache-sized dtype conversions: XLA:CPU computes bfloat16 scatters and dots in float32, so
@@ -172,12 +176,9 @@ def loop_report(text: str, big_bytes: int) -> List[Dict[str, Any]]:
         i.opcode == 'convert' or (i.opcode == 'fusion' and i.name.startswith('wrapped_convert')))]
     host = [i for i in own if i.opcode in HOST_TRANSFERS or (
         i.opcode == 'custom-call' and 'host' in i.rest.lower())]
-    out.append({'while': name, 'body': body, 'host_transfers': len(host),
-                'nested': [b for _, b in module.whiles(body)],
-                'collectives': collectives(own),
-                'big_copies': [{'name': i.name, 'shape': i.shape, 'bytes': i.bytes} for i in big],
-                'big_converts': len(converts),
-                'instructions': len(own)})
+    out.append({'body': body, 'host_transfers': len(host), 'collectives': collectives(own),
+                'nested': [b for _, b in module.whiles(body)], 'big_converts': len(converts),
+                'big_copies': [{'name': i.name, 'shape': i.shape, 'bytes': i.bytes} for i in big]})
   return out
 
 
@@ -212,10 +213,6 @@ def sharded_bytes(tree: Any, shardings: Any) -> int:
   return total
 
 
-def tree_bytes(tree: Any) -> int:
-  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
 def while_cost_is_per_body(trips: Tuple[int, int] = (1, 16)) -> Dict[str, float]:
   """Flops XLA's cost analysis gives a fori_loop of a [64, 64] matmul at two trip counts: equal
   values mean a while body is counted once, whatever its trip count."""
@@ -230,7 +227,6 @@ def while_cost_is_per_body(trips: Tuple[int, int] = (1, 16)) -> Dict[str, float]
 def config_values(gin_file: Path) -> Dict[str, Any]:
   """`scope/network.T5Config.<field> = <literal>` bindings of a shipped model gin file, as a dict
   of field values (the model files hold only literals)."""
-  import ast  # pylint: disable=g-import-not-at-top
   values = {}
   for line in Path(gin_file).read_text().splitlines():
     match = re.match(r'^\s*[\w/.]*T5Config\.(\w+)\s*=\s*(.+?)\s*$', line)
@@ -241,7 +237,6 @@ def config_values(gin_file: Path) -> Dict[str, Any]:
 
 def time_compile(fn: Callable[[], Any]) -> Tuple[Any, float]:
   """(fn(), seconds)."""
-  import time  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   result = fn()
   return result, time.perf_counter() - start
@@ -260,20 +255,3 @@ def summarize_loops(loops: List[Dict[str, Any]]) -> Mapping[str, Any]:
           'host_transfers': sum(l['host_transfers'] for l in loops),
           'big_converts': {'outer': outer['big_converts'],
                            'inner': inner['big_converts'] if inner else 0}}
-
-
-def peak_values(dump_dir: Path, module: str = 'jit_predict') -> List[Dict[str, Any]]:
-  """The buffers live at the peak of a program's temporaries, largest first, from an XLA dump
-  (`XLA_FLAGS=--xla_dump_to=DIR`: its buffer-assignment and live-range files): name, bytes and
-  shape of each value. What the memory analysis calls temporaries is this set's total."""
-  dump_dir = Path(dump_dir)
-  assignment = next(dump_dir.glob(f'*{module}*after_optimizations-buffer-assignment.txt'))
-  live = next(dump_dir.glob(f'*{module}*after_optimizations-live-range.txt')).read_text()
-  peak = live[live.index('(peak):'):].splitlines()[1:]
-  names = {line.strip().split('{')[0] for line in peak if line.startswith('    ')}
-  values = {}
-  for name, size, shape in re.findall(r'value: <\d+ ([^ ]+) @[\d{},]+> \(size=(\d+),offset=\d+\)'
-                                      r': (\S+)', assignment.read_text()):
-    if name in names:
-      values[name] = {'name': name, 'bytes': int(size), 'shape': shape.split('{')[0]}
-  return sorted(values.values(), key=lambda v: -v['bytes'])

@@ -1,59 +1,73 @@
-"""Draft models for one target compared: alpha, c, BLEU and measured speedup, in one process.
+"""How good a draft is for one target: alpha and tokens per call by split, temperature and gamma.
 
   python -m benchmarks.drafts \
       --drafts shipped=speculative_t5x/pretrained/multi30k_de_en_draft.msgpack,new=runs/a.msgpack \
-      --sentences 1:80,8:160 --gammas 1,2,3 --sampling_gammas 1 --rounds 5
+      --gammas 1,2,3,4,5 --temperatures 0,0.7,1
+  python -m benchmarks.drafts --drafts new=runs/a.msgpack --temperatures '' \
+      --sentences 1:80,8:160 --gammas 1,2,3 --sampling_gammas 1 --rounds 5      # speed only
 
-Per draft: its own greedy BLEU on test_2016_flickr (the draft decoding alone; the first
---bleu_sentences sentences, 0: all), c_hat (FLOPs per token relative to the target) and, per
-batch size, c = one cached draft step / one target step (timed as the loops run them,
-harness.step_times_ms). Per batch size, draft and gamma: speculative decoding of the first N
-test sentences (greedy at every --gammas value, temperature 1 at every --sampling_gammas value),
-its alpha, whether greedy outputs equal the target alone's (they must, 100%), and its speedup
-over target-only decoding at the same temperature. All configurations of a batch size, every
-draft's, are timed round-robin (see benchmarks.harness), so the drafts are compared on the same
-machine state.
+Per draft: its own greedy BLEU on test_2016_flickr (the draft alone; the first
+--bleu_sentences, 0: all), its parameters and c_hat (FLOPs per token relative to the target).
+
+Acceptance, hardware-free (--temperatures '': none): per (split, temperature, gamma) one
+speculative pass (token verification, batch --batch_size, the same seeds for every draft):
+alpha = accepted / (accepted + rejections) and emitted tokens per target call. Splits:
+test_2016_flickr, the validation split (the first --max_sentences of each, 0: all) and the
+--longest test captions with the longest inputs; the --gammas sweep runs on the test split at
+--sweep_temperature, every other (split, temperature) at the largest gamma only.
+
+Speed (with --sentences): per batch size and draft, `benchmarks.speed`'s block (target-only
+against speculative at every --gammas, greedy, and --sampling_gammas, T=1): alpha, c, BLEU,
+greedy outputs equal to the target alone's (they must be) and the speedup, a ratio within the
+draft's own rounds: compare drafts by it. Writes drafts.json (after every part) and drafts.md.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks import harness
+from benchmarks import speed
 from benchmarks.harness import Setting
 from speculative_t5x import data
 from speculative_t5x import evaluation
 from speculative_t5x import pipeline
-from speculative_t5x import policy
 
 NAME = 'drafts'
-Key = Tuple[Optional[str], Setting]  # (draft name, or None for the target alone; setting)
 
 
-def add_pair_flags(p: Any) -> None:
-  """--drafts (name=weights pairs) and --target, shared with benchmarks.draft_acceptance."""
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = harness.parser(__doc__, sentences='', gammas='1,2,3,4,5', rounds=5,
+                     needs=[harness.BLEU])
   p.add_argument('--drafts', default=f'shipped={pipeline.EMBEDDED_DRAFT}',
                  help='name=weights_file pairs, comma-separated')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
-
-
-def parse_drafts(spec: str) -> Dict[str, str]:
-  """'a=x.msgpack,b=y.msgpack' -> {name: path}; exits with one line on bad input."""
-  try:
-    return dict(pair.split('=', 1) for pair in spec.split(','))
-  except ValueError:
-    raise SystemExit(f'error: --drafts wants name=path pairs, got {spec!r}') from None
-
-
-def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, Dict[str, str]]:
-  p = harness.parser(__doc__, sentences='1:80,8:160', gammas='1,2,3', rounds=5,
-                     needs=[harness.BLEU])
-  add_pair_flags(p)
-  p.add_argument('--sampling_gammas', default='1', help='gammas at temperature 1 (empty: none)')
+  p.add_argument('--temperatures', default='0,0.7,1',
+                 help="sampling temperatures of the acceptance part ('': no acceptance part)")
+  p.add_argument('--sweep_temperature', type=float, default=1.0,
+                 help='the temperature of the --gammas sweep (the others run the largest gamma)')
+  p.add_argument('--batch_size', type=int, default=32, help='batch size of the acceptance part')
+  p.add_argument('--longest', type=int, default=100,
+                 help='test captions with the longest inputs, as a split of their own')
+  p.add_argument('--max_sentences', type=int, default=0,
+                 help='the first N captions of the test and validation splits (0: all)')
+  p.add_argument('--sampling_gammas', default='1',
+                 help='speed part: gammas at temperature 1 (empty: none)')
   p.add_argument('--bleu_sentences', type=int, default=0,
                  help="test sentences for each draft's own BLEU (0: all)")
   args = p.parse_args(argv)
-  return args, parse_drafts(args.drafts)
+  try:
+    args.draft_paths = dict(pair.split('=', 1) for pair in args.drafts.split(','))
+    args.temperature_list = [float(t) for t in args.temperatures.split(',') if t]
+  except ValueError:
+    raise SystemExit(f'error: --drafts wants name=path pairs, --temperatures numbers like '
+                     f'0,0.7,1; got {args.drafts!r}, {args.temperatures!r}') from None
+  args.gamma_list = harness.parse_ints(args.gammas, '--gammas')
+  args.sampling_gamma_list = harness.parse_ints(args.sampling_gammas, '--sampling_gammas')
+  if not args.gamma_list:
+    raise SystemExit('error: --gammas must name at least one gamma')
+  return args
 
 
 def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],
@@ -72,7 +86,7 @@ def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],
         pair.draft_config, pair.params['draft'], data.encode(sources, harness.INPUT_LENGTH),
         harness.INPUT_LENGTH, harness.OUTPUT_LENGTH, encoder=reads)
     info[name] = {
-        'path': path, 'params': harness.param_count(pair.params['draft']),
+        'path': harness.repo_path(path), 'params': harness.param_count(pair.params['draft']),
         'c_hat': (pair.draft_config.decode_flops_per_token() /
                   pair.target_config.decode_flops_per_token()),
         'bleu_alone': data.corpus_bleu([pair.vocabulary.decode(o) for o in outputs], references),
@@ -81,48 +95,30 @@ def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],
   return pairs, info
 
 
-def configurations(drafts: Sequence[str], greedy: Sequence[int],
-                   sampling: Sequence[int]) -> List[Key]:
-  """The target alone at each temperature in use, then every draft at every gamma."""
-  keys = [(None, Setting('baseline', t)) for t, gammas in ((0.0, greedy), (1.0, sampling))
-          if gammas]
-  keys += [(name, Setting('speculative', t, g)) for name in drafts
-           for t, gammas in ((0.0, greedy), (1.0, sampling)) for g in gammas]
-  return keys
+def splits(data_dir: Optional[str], longest: int, max_sentences: int) -> Dict[str, List[str]]:
+  """{split name: German sources}: test, validation (the first max_sentences, 0: all) and the
+  longest inputs of the whole test split."""
+  test, _ = harness.test_split(data_dir)
+  validation, _ = data.load_split('validation', data_dir=data_dir)
+  lengths = [len(ids) for ids in data.encode(test, harness.INPUT_LENGTH)]
+  order = sorted(range(len(test)), key=lambda i: -lengths[i])[:longest]
+  first = slice(None, max_sentences or None)
+  return {'test': test[first], 'validation': validation[first],
+          f'test, {longest} longest inputs': [test[i] for i in sorted(order)]}
 
 
-def batch_block(pairs: Mapping[str, pipeline.Pair], info: Mapping[str, Any], batch_size: int,
-                sources: Sequence[str], references: Sequence[str], args: Any,
-                keys: Sequence[Key]) -> Dict[str, Any]:
-  """Every draft and gamma on the first len(sources) sentences: the block's rows."""
-  count, first = len(sources), next(iter(pairs.values()))
-  batches = harness.make_batches(data.encode(sources, harness.INPUT_LENGTH), batch_size,
-                                 args.input_length_step)
-  compiled = {(d, s): harness.compile_setting(s, pairs[d] if d else first, batches)
-              for d, s in keys}
-  outputs = harness.warm({k: c.one_pass for k, c in compiled.items()})
-  times = policy.round_robin({k: c.one_pass for k, c in compiled.items()}, args.rounds)
-  target_steps = harness.step_times_ms(first, 'target', batch_size,
-                                       harness.verify_sizes([s for _, s in keys]))
-  steps = {d: {'target': target_steps,
-               'draft': harness.step_times_ms(pairs[d], 'draft', batch_size, (1, 2))}
-           for d in pairs}
-  base = {s: (None, s) for _, s in keys if s.method == 'baseline'}
+def acceptance_rows(pair: pipeline.Pair, sources: Mapping[str, Sequence[str]],
+                    args: argparse.Namespace) -> List[Dict[str, Any]]:
+  """One row per (split, temperature, gamma) of one draft (`harness.count_acceptance`)."""
   rows = []
-  for d, s in keys:
-    speedup = harness.speedups(times, base[s.baseline])[d, s]
-    run = {**harness.collect(outputs[d, s], count), **compiled[d, s].info(), **speedup,
-           'ms_per_sentence': harness.ms_per(times[d, s], count)}
-    row = harness.summarize(s, run, harness.collect(outputs[base[s.baseline]], count)['decodes'],
-                            steps[d or next(iter(pairs))], info[d]['c_hat'] if d else 0.0,
-                            references, first.vocabulary)
-    row.pop('totals', None)
-    rows.append({'draft': d, **row})
-    print(f"batch {batch_size} {d or ''} {row['name']}: {row['ms_per_sentence']:.1f} "
-          f"ms/sentence, {row['speedup']:.2f}x ({row['speedup_min']:.2f}-"
-          f"{row['speedup_max']:.2f}), alpha {harness.fmt(row.get('alpha'), '.3f')}, "
-          f"c {harness.fmt(row.get('c'), '.3f')}, BLEU {row['bleu']:.2f}", flush=True)
-  return {'num_sentences': count, 'rows': rows}
+  for split, texts in sources.items():
+    for temperature in args.temperature_list:
+      sweep = split == 'test' and temperature == args.sweep_temperature
+      settings = [Setting('speculative', temperature, g, verification='token')
+                  for g in (args.gamma_list if sweep else args.gamma_list[-1:])]
+      rows += [{'split': split, 'sentences': len(texts), **row}
+               for row in harness.count_acceptance(pair, texts, settings, args.batch_size)]
+  return rows
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -132,12 +128,29 @@ def markdown(results: Mapping[str, Any]) -> str:
       [[name, d['path'], f"{d['params']:,}", f"{d['c_hat']:.3f}",
         f"{d['bleu_alone']:.2f} ({d['bleu_sentences']} sentences)"]
        for name, d in results['drafts'].items()]) + ['']
+  if results.get('acceptance'):
+    gammas = results['meta']['gammas']
+    lines += ['## Acceptance', '', 'alpha: accepted / (accepted + rejections), the probability '
+              'that a reached draft token is kept; tokens/call: emitted tokens per target call '
+              '(token verification).', '']
+    table = []
+    for name, rows in results['acceptance'].items():
+      groups: Dict[Tuple[str, float], Dict[int, Mapping[str, Any]]] = {}
+      for r in rows:
+        groups.setdefault((r['split'], r['temperature']), {})[r['gamma']] = r
+      for (split, temperature), by_gamma in groups.items():
+        last = by_gamma[max(by_gamma)]
+        table.append([name, f"{split} ({last['sentences']})", f'{temperature:g}',
+                      f"{last['alpha']:.3f}"] + [f"{by_gamma[g]['tokens_per_call']:.3f}"
+                                                 if g in by_gamma else '' for g in gammas])
+    lines += harness.table(['draft', 'split', 'T', 'alpha'] +
+                           [f'tokens/call gamma={g}' for g in gammas], table) + ['']
   for batch_size, block in results['batches'].items():
-    lines += [f"## Batch {batch_size} ({block['num_sentences']} sentences)", '']
+    lines += [f"## Speed at batch {batch_size} ({block['num_sentences']} sentences)", '']
     lines += harness.table(
         ('draft', 'configuration', 'ms/sentence', 'speedup', 'range over rounds', 'alpha', 'c',
          'BLEU', 'same as greedy'),
-        [[r['draft'] or '', r['name'], f"{r['ms_per_sentence']:.1f}", f"{r['speedup']:.2f}x",
+        [[r['draft'], r['name'], f"{r['ms_per_sentence']:.1f}", f"{r['speedup']:.2f}x",
           f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}", harness.fmt(r.get('alpha'), '.3f'),
           harness.fmt(r.get('c'), '.3f'), f"{r['bleu']:.2f}",
           f"{r['same_as_baseline']:.0%}" if r['temperature'] == 0 else '']
@@ -145,21 +158,41 @@ def markdown(results: Mapping[str, Any]) -> str:
   return '\n'.join(lines)
 
 
+def speed_block(pairs: Mapping[str, pipeline.Pair], info: Mapping[str, Any], batch_size: int,
+                sources: Sequence[str], references: Sequence[str],
+                args: argparse.Namespace) -> Dict[str, Any]:
+  """`speed.batch_block` of every draft at one batch size, its rows named by their draft."""
+  settings = speed.grid(args.gamma_list, args.sampling_gamma_list, (), False, ())
+  rows = []
+  for name, pair in pairs.items():
+    block = speed.batch_block(pair, settings, batch_size, sources, references, args,
+                              info[name]['c_hat'])
+    rows += [{'draft': name, **{k: v for k, v in r.items() if k != 'totals'}}
+             for r in block['rows']]
+  return {'num_sentences': len(sources), 'rows': rows}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-  args, drafts = parse_args(argv)
-  sizes = harness.parse_sentences(args.sentences)
-  keys = configurations(list(drafts), harness.parse_gammas(args.gammas, auto=False),
-                        harness.parse_gammas(args.sampling_gammas, False, '--sampling_gammas'))
+  args = parse_args(argv)
   sources, references = harness.test_split(args.data_dir)
   bleu_count = args.bleu_sentences or len(sources)
-  pairs, info = load_drafts(args.target, drafts, sources[:bleu_count], references[:bleu_count])
-  results = {'meta': harness.meta(NAME, argv, args, target=harness.repo_path(args.target)),
-             'drafts': info, 'batches': {}}
-  for batch_size, count in sizes.items():
+  pairs, info = load_drafts(args.target, args.draft_paths, sources[:bleu_count],
+                            references[:bleu_count])
+  results = {'meta': harness.meta(NAME, argv, args, target=harness.repo_path(args.target),
+                                  gammas=args.gamma_list),
+             'drafts': info, 'acceptance': {}, 'batches': {}}
+  write = lambda: harness.write_results(args, NAME, results, markdown)
+  paths = write()
+  if args.temperature_list:
+    texts = splits(args.data_dir, args.longest, args.max_sentences)
+    for name, pair in pairs.items():
+      results['acceptance'][name] = acceptance_rows(pair, texts, args)
+      paths = write()
+  for batch_size, count in harness.parse_sentences(args.sentences).items():
     count = min(count, len(sources))
-    results['batches'][str(batch_size)] = batch_block(
-        pairs, info, batch_size, sources[:count], references[:count], args, keys)
-    paths = harness.write_results(args, NAME, results, markdown)
+    results['batches'][str(batch_size)] = speed_block(
+        pairs, info, batch_size, sources[:count], references[:count], args)
+    paths = write()
   print('wrote', *paths)
   return results
 

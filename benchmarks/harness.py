@@ -1,24 +1,14 @@
 """What every benchmark command shares: flags, the pair, batches, compilation, timing, probes.
 
-Timing has one mode. A command compiles every configuration it times for every encoder width
-its batches need (`pipeline.Predictor`, compile seconds reported apart), runs one untimed pass
-of each (the outputs it reports), then times all passes round-robin for --rounds rounds
-(`policy.round_robin`): a speedup is the median over rounds of the baseline's pass time over
-the configuration's in the same round, so that slow phases of a shared machine hit both alike;
-within a round the passes take turns every --piece_batches batches (`Compiled.pieces`).
-gamma='auto' is planned and chosen per batch exactly as the infer job does it (`policy.plan`,
-`DecodingPolicy.stream`); each pass is a job from scratch, its search timed with it. A sampled
-setting's passes can each draw their own samples (`pass_keys`); every pass's outputs are kept
-(`Compiled.history`, `collect_passes`).
-
-Batches are the first N sentences of Multi30k's test_2016_flickr (German -> English) in file
-order, `batch:N` per batch size (`--sentences 1:80,8:160`), in fixed shapes: output length 64,
-encoder width each batch's longest input rounded up to --input_length_step (0: 64), the last
-batch padded with all-zero rows.
-
-Every command writes <out_dir>/<name>.json and <name>.md, out_dir defaulting to runs/<machine>
-(`--machine`, default cpu; runs/ is not tracked, so a trial run leaves the committed results
-alone); the recorded runs name `--out_dir results/<machine>`.
+Timing has one mode: every configuration is compiled for every encoder width its batches need
+(compile seconds reported apart), run once untimed (the outputs reported), then all are timed
+round-robin for --rounds rounds, taking turns every --piece_batches batches: a speedup is the
+median over rounds of the baseline's pass time over the configuration's in the same round, so
+that slow phases of a shared machine hit both alike. gamma='auto' is planned and chosen per
+batch as the infer job does it (`policy.plan`); each pass is a job from scratch, its search
+timed with it. Batches: the first N test_2016_flickr sentences (`--sentences batch:N,...`),
+output length 64, encoder width each batch's longest input rounded up to --input_length_step.
+Every command writes <out_dir>/<name>.json and .md (default runs/<machine>, untracked).
 """
 
 from __future__ import annotations
@@ -59,6 +49,12 @@ INPUT_LENGTH_STEP = 16  # encoder width: each batch's longest input rounded up t
 OUTPUT_LENGTH = 64
 BILD_MAX_SMALL_STEPS = 10  # bild_decode's default, the paper's
 BEAM_ALPHA = 0.6  # T5X's brevity penalty default
+# A pass's piece: at batch 1 on this CPU a fifth of a second, short against the machine's drift.
+PIECE_BATCHES = 16
+# Resamples of the rounds behind a summed speedup's interval (`speedups_per_token`).
+BOOTSTRAP = 4000
+# (module, purpose) of an optional module a command needs; every one is in the bench extra.
+BLEU = ('sacrebleu', 'BLEU scores')
 
 Batch = Dict[str, jax.Array]
 Outputs = List[Tuple[Any, Dict[str, Any]]]  # one pass: (decodes, aux) per batch
@@ -131,29 +127,9 @@ class Setting(NamedTuple):
                                          'verification': self.verification}
 
 
-def from_row(row: Mapping[str, Any]) -> Setting:
-  """The Setting of a results row."""
-  return Setting(**{f: row[f] for f in Setting._fields if f in row})
-
-
-# ------------------------------------------------------------------------------------------------
-# Flags.
-
-
-# A pass's piece: at batch 1 on this CPU a fifth of a second, short against the machine's drift.
-PIECE_BATCHES = 16
-# Resamples of the rounds behind a summed speedup's interval (`speedups_per_token`).
-BOOTSTRAP = 4000
-
-
-# (module, purpose) of an optional module a command needs; every one is in the bench extra.
-BLEU = ('sacrebleu', 'BLEU scores')
-
-
 def check_needs(needs: Sequence[Tuple[str, str]], extra: str = 'bench') -> None:
-  """Exits with one line `error: <modules> not installed (<purposes>): pip install ...` when a
-  module of `needs` ((module, purpose) pairs) is missing. Looked up, not imported: a benchmark
-  checks before it compiles anything, and torch stays out of a timed XLA process."""
+  """Exits with one line naming the missing modules of `needs` ((module, purpose) pairs), looked
+  up, not imported: before anything compiles, and torch stays out of a timed XLA process."""
   missing = [(m, purpose) for m, purpose in needs if importlib.util.find_spec(m) is None]
   if missing:
     purposes = ', '.join(dict.fromkeys(purpose for _, purpose in missing))
@@ -162,9 +138,7 @@ def check_needs(needs: Sequence[Tuple[str, str]], extra: str = 'bench') -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-  """The commands' parser: parse_args also checks the command's optional modules (after the
-  flags, so that --help works without them; before any work, so that a missing one costs
-  nothing)."""
+  """parse_args also checks the command's optional modules (after the flags: --help works)."""
 
   def __init__(self, needs: Sequence[Tuple[str, str]], **kwargs: Any):
     super().__init__(**kwargs)
@@ -188,8 +162,7 @@ def parser(doc: str, *, sentences: str, gammas: Optional[str] = None, rounds: in
                    help="greedy speculative gammas ('auto': planned as the infer job does)")
   p.add_argument('--rounds', type=int, default=rounds, help='timed round-robin rounds')
   p.add_argument('--piece_batches', type=int, default=PIECE_BATCHES,
-                 help="batches of a pass run before the next configuration's turn (a round's "
-                      'passes take turns piece by piece)')
+                 help="batches of a pass run before the next configuration's turn")
   output_flags(p)
   p.add_argument('--data_dir', default=None, help='folder holding multi30k/ (default: '
                  f'${data.DATA_ENV_VAR} or ../shared/data)')
@@ -208,9 +181,9 @@ def output_flags(p: argparse.ArgumentParser) -> None:
 
 
 def parse_sentences(spec: str) -> Dict[int, int]:
-  """'1:80,8:160' -> {1: 80, 8: 160} (batch size: number of sentences); exits on bad input."""
+  """'1:80,8:160' -> {1: 80, 8: 160} (batch size: sentences; '' -> {}); exits on bad input."""
   try:
-    pairs = dict(item.split(':') for item in spec.split(','))
+    pairs = dict(item.split(':') for item in spec.split(',') if item)
     return {int(b): int(n) for b, n in pairs.items()}
   except ValueError:
     raise SystemExit(f'error: --sentences wants batch:count pairs like 1:80,8:160, got '
@@ -226,20 +199,10 @@ def parse_ints(spec: str, flag: str, auto: bool = False) -> List[Union[int, str]
     raise SystemExit(f'error: {flag} wants integers{allowed} like 1,2, got {spec!r}') from None
 
 
-def parse_gammas(spec: str, auto: bool = True, flag: str = '--gammas'
-                 ) -> List[Union[int, str]]:
-  """'1,2,auto' -> [1, 2, 'auto'] ('' -> []); exits on bad input."""
-  return parse_ints(spec, flag, auto)
-
-
 def command_line(name: str, argv: Optional[Sequence[str]]) -> str:
   """The command as it was run, for the results' meta."""
   args = list(sys.argv[1:] if argv is None else argv)
   return ' '.join([f'python -m benchmarks.{name}'] + args)
-
-
-# ------------------------------------------------------------------------------------------------
-# Data and the pair.
 
 
 def test_split(data_dir: Optional[str]) -> Tuple[List[str], List[str]]:
@@ -260,9 +223,8 @@ def partitioner() -> partitioning.Partitioner:
 def make_batches(token_rows: Sequence[Sequence[int]], batch_size: int,
                  length_step: int = INPUT_LENGTH_STEP, width: Optional[int] = None
                  ) -> List[Batch]:
-  """[batch_size, width] batches on the mesh, the last padded with all-zero rows. width: each
-  batch's longest input rounded up to length_step (at most INPUT_LENGTH), INPUT_LENGTH for
-  step 0, or the given width for all batches."""
+  """[batch_size, width] batches on the mesh, the last padded with all-zero rows; width: each
+  batch's longest input rounded up to length_step (0: INPUT_LENGTH), or the given width."""
   max_length, step = (width, 0) if width else (INPUT_LENGTH, length_step)
   return [partitioning.shard_batch(data.pad_batch(
       token_rows[start:start + batch_size], None, max_length, OUTPUT_LENGTH, batch_size, step),
@@ -277,20 +239,11 @@ def _sharded(pair: pipeline.Pair) -> pipeline.Pair:
 
 @functools.lru_cache(maxsize=4)
 def load_pair(target: str = str(pipeline.EMBEDDED_TARGET),
-              draft: str = str(pipeline.EMBEDDED_DRAFT)) -> pipeline.Pair:
-  """A target/draft pair (default: the embedded one), prepared and sharded; loaded once per
-  process, so that commands run in one process (the tests) share it."""
-  return _sharded(pipeline.load_pair(target, draft))
-
-
-def with_layouts(pair: pipeline.Pair, fuse: bool,
-                 draft_vocabulary: Optional[np.ndarray] = None) -> pipeline.Pair:
-  """The pair with its decode-time variables made again (`network.decode_variables`): with or
-  without the stacked projections, the draft's logits over all tokens or `draft_vocabulary`;
-  placed on the mesh."""
-  prepared = pipeline.prepare_params(pair.target_config, pair.draft_config, pair.params, fuse,
-                                     draft_vocabulary)
-  return _sharded(dataclasses.replace(pair, params=prepared))
+              draft: str = str(pipeline.EMBEDDED_DRAFT), dtype: Optional[str] = None
+              ) -> pipeline.Pair:
+  """A target/draft pair (default: the embedded one), prepared and sharded, in `dtype` (None: as
+  stored; 'bfloat16': parameters and activations); loaded once per process (the tests')."""
+  return _sharded(pipeline.load_pair(target, draft, dtype=dtype))
 
 
 def make_pair(target_config: network.T5Config, draft_config: network.T5Config,
@@ -301,21 +254,13 @@ def make_pair(target_config: network.T5Config, draft_config: network.T5Config,
   return _sharded(pipeline.Pair(target_config, draft_config, prepared, vocabulary))
 
 
-# ------------------------------------------------------------------------------------------------
-# Compiling and timing.
-
-
 @dataclasses.dataclass
 class Compiled:
-  """A setting compiled for every width of `batches`, with its policy; `one_pass` decodes
-  every batch once, `pieces` does too, in pieces that take turns with other passes'
-  (`policy.round_robin`). Each pass is a job from scratch: under 'auto' a fresh policy, its
-  search (calibration) timed with the job. decoding_policy: the last pass's; choices_used
-  counts every pass's choices (gamma under gamma='auto').
-
-  keys: each pass's key per batch (`pass_keys`), pass p the (p mod len(keys))-th: a sampled
-  setting whose passes draw their own samples is timed over several draws; one list, every
-  pass draws the same. history: every pass's outputs, in order (the untimed one first)."""
+  """A setting compiled for every width of `batches`, with its policy; `one_pass` decodes every
+  batch once, `pieces` too, in pieces that take turns with other passes'. Each pass is a job
+  from scratch (under 'auto' a fresh policy, its search timed with the job); choices_used
+  counts every pass's choices. keys: each pass's key per batch (`pass_keys`), pass p the
+  (p mod len(keys))-th; history: every pass's outputs, in order (the untimed one first)."""
   setting: Setting
   predictor: pipeline.Predictor
   decoding_policy: policy.DecodingPolicy
@@ -324,15 +269,9 @@ class Compiled:
   choices_used: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   history: List[Outputs] = dataclasses.field(default_factory=list)
 
-  @property
-  def rngs(self) -> List[jax.Array]:
-    """The first pass's key per batch (the infer job's and `Pipeline.decode`'s)."""
-    return self.keys[0]
-
   def pieces(self, batches_per_piece: int) -> Iterator[Outputs]:
-    """Every batch once, as the infer job runs them (`DecodingPolicy.stream`: batches in
-    flight; under 'auto' each chosen and timed by the policy), `batches_per_piece` at a time
-    (the batches in flight land at the end of a piece; every choice was compiled ahead)."""
+    """Every batch once as the infer job runs them (`DecodingPolicy.stream`: under 'auto' each
+    chosen and timed by the policy), `batches_per_piece` at a time."""
     self.decoding_policy = self.decoding_policy.fresh()
     items = list(zip(self.batches, self.keys[len(self.history) % len(self.keys)]))
     self.history.append([])
@@ -359,9 +298,8 @@ class Compiled:
 
 
 def pass_keys(seed: int, num_batches: int, passes: int = 1) -> List[List[jax.Array]]:
-  """[passes][num_batches] keys: pass 0's batch i draws from fold_in(PRNGKey(seed), i) (as the
-  infer job and `Pipeline.decode` do), pass p > 0's from that key folded with p. Made before
-  anything is timed: a key made inside a timed pass would be timed with it."""
+  """[passes][num_batches] keys: pass 0's batch i fold_in(PRNGKey(seed), i) (the infer job's),
+  pass p's that key folded with p; made before anything is timed (or it would be timed too)."""
   first = [jax.random.fold_in(jax.random.PRNGKey(seed), i) for i in range(num_batches)]
   return [first] + [[jax.random.fold_in(key, p) for key in first] for p in range(1, passes)]
 
@@ -372,12 +310,9 @@ def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch],
                     calibration: Optional[costs.Calibration] = None,
                     sampled_passes: int = 1) -> Compiled:
   """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (under
-  'auto' every choice `policy.plan` gives, chosen per batch as the infer job does).
-  decode_overrides: extra decode_fn arguments (e.g. max_decode_steps); eos_id: replaces the
-  vocabulary's (-1: no row stops early); calibration: speculative-t5x-calibrate's, for the
-  batches' size (`policy.plan`: where 'auto' starts and the model it follows);
-  sampled_passes: how many passes draw their own samples (`pass_keys`; later ones repeat
-  them in turn; 1: every pass draws the same)."""
+  'auto' every choice `policy.plan` gives). decode_overrides: extra decode_fn arguments;
+  eos_id: replaces the vocabulary's (-1: no row stops early); calibration: where 'auto' starts
+  (`policy.plan`); sampled_passes: how many passes draw their own samples (`pass_keys`)."""
   decode_fn, kwargs = setting.decoder()
   kwargs = {**kwargs, **(decode_overrides or {})}
   model = pair.model(decode_fn, kwargs)
@@ -420,9 +355,8 @@ def speedups(times: Mapping[Hashable, Sequence[float]], base: Hashable
 
 
 def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
-  """{'decodes': [num_sentences, length], 'stats': {field: [num_sentences, ...]}} from one pass,
-  without the last batch's padding rows, and for a draft-verify loop 'loop_iterations': the
-  target calls its batches made (per batch, its row with the most)."""
+  """{'decodes', 'stats'} of one pass without the padding rows, and for a draft-verify loop
+  'loop_iterations': the target calls its batches made (per batch, its row with the most)."""
   decodes = np.concatenate([np.asarray(d) for d, _ in outputs])[:num_sentences]
   per_batch = [jax.tree.map(np.asarray, aux.get('stats', {})) for _, aux in outputs]
   stats = pipeline.merge_stats(per_batch, [len(d) for d, _ in outputs], num_sentences)
@@ -434,10 +368,9 @@ def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
 
 
 def collect_passes(passes: Sequence[Outputs], num_sentences: int) -> Dict[str, Any]:
-  """`collect` over every pass of a setting (`Compiled.history`): the first pass's decodes; the
-  passes' stats pooled (their rows joined: the acceptance of every sample drawn, each row
-  once per pass); loop_iterations, the mean per pass; tokens_per_pass, each pass's tokens
-  written (EOS included: what a per-token speed counts)."""
+  """`collect` over every pass of a setting (`Compiled.history`): the first pass's decodes, every
+  pass's stats pooled (each row once per pass), loop_iterations the mean per pass, and
+  tokens_per_pass, each pass's tokens written (EOS included: what a per-token speed counts)."""
   runs = [collect(p, num_sentences) for p in passes]
   out = {**runs[0], 'tokens_per_pass': [int(np.sum(r['decodes'] > 0)) for r in runs]}
   keys = sorted({k for r in runs for k in r['stats']})
@@ -464,13 +397,10 @@ def _row_field(stats: Mapping[str, np.ndarray], key: str, rows: int, width: int)
 def speedups_per_token(times: Mapping[Hashable, Sequence[float]],
                        tokens: Mapping[Hashable, Sequence[int]], base: Hashable
                        ) -> Dict[Hashable, Dict[str, float]]:
-  """Per key: its speedup over `base` per output token and that speedup's min and max over
-  rounds, each round counting the tokens its own passes wrote (`tokens`: each pass's, the
-  untimed first; sampled passes that draw their own samples write different counts). As
-  `speedups`: 1 / the median over rounds of the relative time per token. Also the ratio of
-  summed times per summed tokens over all rounds (`speedup_summed`: a slow round weighs by its
-  time, as in a long job) and its 90% interval, rounds resampled with replacement
-  (BOOTSTRAP draws, a fixed seed: the same figures for the same times)."""
+  """Per key: its speedup over `base` per output token (as `speedups`, each round counting the
+  tokens its own passes wrote: `tokens`, each pass's, the untimed first), and summed times over
+  summed tokens of all rounds (`speedup_summed`: a slow round weighs by its time, as in a long
+  job) with its 90% interval, rounds resampled with replacement (BOOTSTRAP draws, fixed seed)."""
   timed = {k: (np.asarray(t), np.asarray(tokens[k][-len(t):], float)) for k, t in times.items()}
   picks = np.random.default_rng(0).integers(0, len(times[base]), (BOOTSTRAP, len(times[base])))
   summed = {k: t[picks].sum(1) / n[picks].sum(1) for k, (t, n) in timed.items()}
@@ -492,66 +422,58 @@ def ms_per(seconds: Sequence[float], count: int) -> float:
   return 1e3 * float(np.median(seconds)) / count
 
 
-# ------------------------------------------------------------------------------------------------
-# Machine probes.
+def count_acceptance(pair: pipeline.Pair, sources: Sequence[str], settings: Sequence[Setting],
+                     batch_size: int,
+                     written: Optional[Callable[[List[Dict[str, Any]]], Any]] = None
+                     ) -> List[Dict[str, Any]]:
+  """Hardware-free counts: one pass of each setting over `sources` (the same seeds for all), a
+  row each: alpha, accepted and emitted tokens per target call; `written(rows)` after each."""
+  batches = make_batches(data.encode(sources, INPUT_LENGTH), batch_size, width=INPUT_LENGTH)
+  rows = []
+  for setting in settings:
+    counts = acceptance(collect(compile_setting(setting, pair, batches).one_pass(),
+                                len(sources))['stats'])
+    rows.append({'name': setting.name, **setting._asdict(), **{k: counts[k] for k in (
+        'alpha', 'accepted_per_call', 'tokens_per_call', 'accepted_fraction')}})
+    print(f"{setting.name}: alpha {counts['alpha']:.3f}, {counts['tokens_per_call']:.3f} "
+          'tokens per call', flush=True)
+    if written:
+      written(rows)
+  return rows
 
 
-# The step probes are the calibrate command's (one implementation).
-step_setup = calibrate.step_setup
-step_loop = calibrate.step_loop
+# The step probe is the calibrate command's (one implementation).
 step_times_ms = calibrate.step_times_ms
 
 
-def dispatched_step_ms(pair: pipeline.Pair, name: str, batch: int, chunk_sizes: Sequence[int],
-                       rounds: int = 20) -> Dict[int, float]:
-  """Median ms of one cached decode step appending k tokens per row, jitted alone and dispatched
-  from Python (what a verify call costs outside a compiled loop), sizes round-robin."""
-  module, variables, cache = step_setup(pair, name, batch)
-  step = jax.jit(lambda v, t, c: module.apply(v, t, c, method=network.Transformer.decode_step))
-  tokens = {k: jnp.full((batch, k), 5, jnp.int32) for k in sorted(set(chunk_sizes))}
-  times = policy.round_robin({k: (lambda t=t: step(variables, t, cache))
-                              for k, t in tokens.items()}, rounds + 1)
-  return {k: 1e3 * float(np.median(t[1:])) for k, t in times.items()}
-
-
-def step_weight_bytes(config: network.T5Config, params: Any) -> int:
-  """Bytes of parameters one cached decoder step reads: the decoder without its cross-attention
-  key/value kernels (applied once, to the encoder output), plus the embedding table (the token
-  lookup and, tied, the logits)."""
-  total = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params['decoder'])[0]:
-    names = [getattr(k, 'key', '') for k in path]
-    if 'encoder_decoder_attention' in names and ('key' in names or 'value' in names):
-      continue
-    total += leaf.size * leaf.dtype.itemsize
-  embedding = params['token_embedder']['embedding']
-  return total + embedding.size * embedding.dtype.itemsize
-
-
-def memory_bandwidth_gbs(megabytes: int = 64, rounds: int = 30) -> float:
-  """GB/s of a jitted sum over a `megabytes` array (streams it once; best of rounds)."""
-  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  best = min(policy.round_robin({'sum': lambda: total(x)}, rounds + 1)['sum'][1:])
-  return x.size * 4 / best / 1e9
-
-
-def matmul_gflops(size: int = 1024, rounds: int = 10) -> float:
-  """GFLOP/s of a jitted fp32 [size, size] x [size, size] matmul (best of rounds): the machine's
-  practical arithmetic peak, for the compute floor of a step."""
-  x = jnp.ones((size, size), jnp.float32)
-  product = jax.jit(jnp.matmul)
-  best = min(policy.round_robin({'matmul': lambda: product(x, x)}, rounds + 1)['matmul'][1:])
-  return 2 * size ** 3 / best / 1e9
+def _timed_best(fn: Callable[[], Any], rounds: int) -> float:
+  """The fastest of `rounds` calls of fn (after one that compiles)."""
+  return min(policy.round_robin({'fn': fn}, rounds + 1)['fn'][1:])
 
 
 def probe_machine(pair: pipeline.Pair) -> Dict[str, Any]:
-  """Memory bandwidth, matmul peak and each model's weight-streaming floor of one step."""
-  bandwidth = memory_bandwidth_gbs()
-  return {'memory_bandwidth_gbs': bandwidth, 'matmul_gflops': matmul_gflops(),
+  """Memory bandwidth (a jitted sum streaming 64 MB), the matmul peak (a float32 1024x1024
+  matmul) and each model's weight-streaming floor of one step (`step_weight_bytes`)."""
+  x, m = jnp.ones((2**24,), jnp.float32), jnp.ones((1024, 1024), jnp.float32)
+  total, product = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+  bandwidth = x.size * 4 / _timed_best(lambda: total(x), 30) / 1e9
+  gflops = 2 * 1024 ** 3 / _timed_best(lambda: product(m, m), 10) / 1e9
+  return {'memory_bandwidth_gbs': bandwidth, 'matmul_gflops': gflops,
           'weight_streaming_floor_ms': {
-              name: 1e3 * step_weight_bytes(config, pair.params[name]) / (bandwidth * 1e9)
-              for name, config in pair.configs.items()}}
+              name: 1e3 * step_weight_bytes(pair.params[name]) / (bandwidth * 1e9)
+              for name in pair.configs}}
+
+
+def step_weight_bytes(params: Any) -> int:
+  """Parameter bytes a cached decoder step reads: the decoder without its cross-attention k/v
+  kernels (applied once, to the encoder output), plus the embedding (lookup and tied logits)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params['decoder'])[0]:
+    names = [getattr(k, 'key', '') for k in path]
+    if not ('encoder_decoder_attention' in names and ('key' in names or 'value' in names)):
+      total += leaf.size * leaf.dtype.itemsize
+  embedding = params['token_embedder']['embedding']
+  return total + embedding.size * embedding.dtype.itemsize
 
 
 def compute_floor_ms(config: network.T5Config, batch: int, k: int, gflops: float) -> float:
@@ -563,37 +485,13 @@ def param_count(params: Any) -> int:
   return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
 
 
-# ------------------------------------------------------------------------------------------------
-# Rows: what a configuration's outputs, stats and step times say.
-
-
-def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
-  """Leviathan et al.'s expected walltime improvement (Theorem 3.8, cost model of section 3.4)."""
-  return costs.expected_tokens(alpha, gamma) / (gamma * c + 1)
-
-
-def extra_arithmetic(alpha: float, gamma: float, c_hat: float) -> float:
-  """Theorem 3.11: operations per generated token relative to the baseline."""
-  return (gamma * c_hat + gamma + 1) / costs.expected_tokens(alpha, gamma)
-
-
 def summarize(setting: Setting, run: Mapping[str, Any], baseline_decodes: np.ndarray,
               steps: Mapping[str, Mapping[int, float]], c_hat: float,
               references: Sequence[str], vocabulary: Any) -> Dict[str, Any]:
-  """The table row of one configuration (JSON-ready).
-
-  run: `collect`'s decodes and stats plus the timing (ms_per_sentence, speedup, ...) and
-  `Compiled.info()`; steps: {'target': {k: ms}, 'draft': {k: ms}} (`step_times_ms`).
-  speedup_per_token: the speedup over the baseline per output token (EOS included), from the
-  run's own (`speedups_per_token`: each round's passes drew their own samples) or else from the
-  two settings' first passes. Sampled configurations draw their own outputs, whose lengths
-  differ by a few % from the baseline's: per token, that difference does not count as speed.
-  ms_per_call: the pass's ms per loop iteration (one target call), from run['loop_iterations'].
-  """
+  """The table row of one configuration (JSON-ready). run: `collect_passes`' decodes and stats,
+  the timing (ms_per_sentence, speedups) and `Compiled.info()`; steps: {'target': {k: ms},
+  'draft': {k: ms}} (`step_times_ms`). ms_per_call: ms per loop iteration (one target call)."""
   row = _summary(setting, run, baseline_decodes, steps, c_hat, references, vocabulary)
-  if 'tokens_per_sentence' in row and 'speedup' in row and 'speedup_per_token' not in row:
-    baseline_tokens = float(np.mean(np.sum(baseline_decodes > 0, axis=1)))
-    row['speedup_per_token'] = row['speedup'] * row['tokens_per_sentence'] / baseline_tokens
   if run.get('loop_iterations') and 'ms_per_sentence' in row:
     # What one target call (with its draft phase) costs: two verifiers' calls compare directly.
     row['ms_per_call'] = row['ms_per_sentence'] * len(baseline_decodes) / run['loop_iterations']
@@ -661,10 +559,13 @@ def predictions(setting: Setting, gamma: int, row: Mapping[str, Any],
     return out
   calls = max(row['totals']['target_calls'], 1)
   mean_gamma = row['totals']['proposed'] / calls if setting.adaptive else gamma
-  prediction = predicted_speedup(row['alpha'], mean_gamma, c)
+  tokens = costs.expected_tokens(row['alpha'], mean_gamma)
+  # Leviathan et al.: the expected walltime improvement (Theorem 3.8) and the operations per
+  # token relative to the baseline (Theorem 3.11).
+  prediction = tokens / (mean_gamma * c + 1)
   out.update(gamma_mean=mean_gamma, predicted_speedup=prediction,
              efficiency=row['speedup'] / prediction,
-             extra_arithmetic=extra_arithmetic(row['alpha'], mean_gamma, c_hat))
+             extra_arithmetic=(mean_gamma * c_hat + mean_gamma + 1) / tokens)
   if not setting.adaptive and verify_k in steps['target']:
     # The same expected tokens per call, but the verify call costs its measured k-token time.
     # Each draft phase's first call feeds 2 tokens (see decoding._draft_phase).
@@ -697,8 +598,8 @@ def tree_levels(branching: Sequence[int]) -> List[int]:
 
 def beam_steps_ms(pair: pipeline.Pair, rows: int, branching: Sequence[int]
                   ) -> Dict[str, Dict[int, float]]:
-  """Step times for speculative beam search's calls at `rows` = batch x beam decoder rows: the
-  target with 1 token (a beam_search step) and with the whole tree, the draft per tree level."""
+  """Step times of speculative beam search's calls at batch x beam `rows`: the target with 1
+  token and with the whole tree, the draft per tree level."""
   levels = tree_levels(branching)
   return {'target': step_times_ms(pair, 'target', rows, (1, sum(levels))),
           'draft': step_times_ms(pair, 'draft', rows, sorted(set(levels[:-1])))}
@@ -708,10 +609,8 @@ def beam_row(setting: Setting, stats: Mapping[str, np.ndarray],
              steps: Mapping[str, Mapping[int, float]]) -> Dict[str, Any]:
   """Speculative beam search's columns: beam steps and tree nodes per target call, and the
   step-cost prediction (steps per call x a beam_search step / (draft levels + tree verify)).
-
-  stats are per example: `emitted` counts beam steps, `proposed` tree nodes below the roots.
-  None of them when no batch ran a tree (branching='auto' that kept to beam_search).
-  """
+  Per-example stats: `emitted` counts beam steps, `proposed` tree nodes below the roots (none
+  where no batch ran a tree: branching='auto' that kept to beam_search)."""
   if 'target_calls' not in stats:
     return {}
   levels = tree_levels(setting.tree)
@@ -724,10 +623,6 @@ def beam_row(setting: Setting, stats: Mapping[str, np.ndarray],
           'target_calls': calls, 'beam_step_ms': steps['target'][1],
           'verify_step_ms': verify_ms, 'draft_step_ms': draft_ms,
           'step_cost_prediction': steps_per_call * steps['target'][1] / (draft_ms + verify_ms)}
-
-
-# ------------------------------------------------------------------------------------------------
-# Results.
 
 
 def machine() -> Dict[str, Any]:
@@ -748,8 +643,7 @@ def meta(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
 
 
 def repo_path(path: str) -> str:
-  """`path` relative to the repository when it lies inside it (results name no machine's
-  folders), else as given."""
+  """`path` relative to the repository where it lies inside it (results name no machine's)."""
   try:
     return str(Path(path).resolve().relative_to(REPO))
   except ValueError:
@@ -775,9 +669,8 @@ def _json_ready(value: Any) -> Any:
 
 def write_results(args: argparse.Namespace, name: str, results: Mapping[str, Any],
                   markdown: Callable[[Dict[str, Any]], str]) -> Tuple[Path, Path]:
-  """Writes <out_dir>/<name>.json and <name>.md, the tables `markdown` makes of the results as
-  they read back from the JSON (string keys), so that a saved file renders the same. Commands
-  call it after every block, so that a killed run keeps what it measured."""
+  """Writes <out_dir>/<name>.json and .md, the tables `markdown` makes of the results as read
+  back from the JSON (a saved file renders the same); after every block (a killed run keeps it)."""
   directory = out_dir(args)
   directory.mkdir(parents=True, exist_ok=True)
   paths = directory / f'{name}.json', directory / f'{name}.md'
@@ -790,21 +683,7 @@ def write_results(args: argparse.Namespace, name: str, results: Mapping[str, Any
 def greedy_settings(gammas: str, auto: bool = True) -> List[Setting]:
   """Target-only greedy decoding, then greedy speculative decoding at each of --gammas."""
   return [Setting('baseline')] + [Setting('speculative', gamma=g)
-                                  for g in parse_gammas(gammas, auto)]
-
-
-def run_blocks(name: str, argv: Optional[Sequence[str]], args: argparse.Namespace,
-               block: Callable[[int, List[str]], Dict[str, Any]],
-               markdown: Callable[[Dict[str, Any]], str]) -> Dict[str, Any]:
-  """A command's results: block(batch size, the first N test sentences) for each --sentences
-  pair, under 'batches', written after every block (a killed run keeps what it measured)."""
-  sources, _ = test_split(args.data_dir)
-  results = {'meta': meta(name, argv, args), 'batches': {}}
-  for batch_size, count in parse_sentences(args.sentences).items():
-    results['batches'][str(batch_size)] = block(batch_size, sources[:count])
-    paths = write_results(args, name, results, markdown)
-  print('wrote', *paths)
-  return results
+                                  for g in parse_ints(gammas, '--gammas', auto)]
 
 
 def auto_note(row: Mapping[str, Any]) -> str:

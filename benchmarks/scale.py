@@ -1,34 +1,37 @@
-"""T5 1.1 large/XL/XXL targets with the T5 1.1 small draft, read from the compiled programs.
+"""What T5 1.1 large/XL/XXL decoding with a small draft compiles to on a mesh: no weights, no TPU.
 
-  python -m benchmarks.scale                                  # the full sweep (hours on 2 cores)
-  python -m benchmarks.scale --sizes large --meshes 1x8 --batches 8 --output_lengths 128
+  python -m benchmarks.scale --platform tpu --topology v4:1x1x1,v5e:2x4,v5p:2x2x1,v6e:2x4
+  python -m benchmarks.scale --platform tpu --tiny --topology v5e:2x2     # seconds
+  python -m benchmarks.scale --tiny --batches 8 --drafts small            # 8 fake CPU devices
 
-No weight is allocated: parameters are `jax.eval_shape` structures, and every program is lowered
-and compiled (never run) for 8 fake CPU devices (`--xla_force_host_platform_device_count=8`, set
-here before JAX starts) with `partitioning.partition_predict` on each (data, model) mesh. Per
-(size, mesh, batch, output length) it reports, per device:
+Parameters are `jax.eval_shape` structures; every program is lowered with NamedShardings over a
+(data, model) mesh and compiled, never run. --platform tpu: by XLA:TPU for the devices of each
+--topology (`aot.topology_devices`; needs libtpu pinned to the installed jax, in a venv of its
+own: `pip install 'jax[tpu]==<jax version>' && pip install -e .`). --platform cpu (default):
+the predict programs only, for 8 fake CPU devices (set here before JAX starts): what a device
+holds and which collectives the loops run, without libtpu or estimates (tests/test_scale.py).
 
-  - parameter and cache bytes (from the shardings), and XLA's memory analysis (arguments,
-    temporaries) of each predict program: target-only greedy (`decoding.temperature_sample`)
-    and greedy speculative (`decoding.speculative_sample`) at each --gammas, with the draft
-    sharded like the target and replicated (`partitioning.draft_logical_axis_rules`);
-  - the collectives of one iteration of each program's while loop (kind, count, result bytes),
-    read from the compiled HLO: the outer loop's body and the draft loop nested in it, which
-    runs up to gamma - 1 times per iteration;
-  - copies of at least one cache layer inside a loop body (there should be none);
-  - flops, bytes accessed and collectives of the step programs a loop runs (the target at 1,
-    gamma + 1 and --projection_gamma + 1 tokens per row; the draft at 1 and 2), compiled alone
-    with the loop's shardings. XLA's cost analysis counts a while body once, not times its trip
-    count (`compiled.while_cost_is_per_body`, recorded in the meta), so per-token figures come
-    from these step programs: target-only spends one 1-token target step per token, a
-    speculative iteration gamma draft steps and one (gamma + 1)-token target step;
-  - compile seconds.
+Per (topology, target size, batch, mesh) and per draft ('small': T5 1.1 small with its own
+encoder; 'small-dec2': two decoder layers of its widths reading the target's encoder, the
+embedded draft's shape):
 
---t5x_python runs the same shapes through T5X's own `EncoderDecoderModel.predict_batch` with
-`t5x.decoding.temperature_sample` (greedy) in a separate process (`benchmarks.scale_t5x`, T5X's
-environment); without T5X that part is skipped. `benchmarks.roofline` projects the figures onto
-TPU v4, TPU v5e and H100 into the markdown. Writes scale.json and .md after every block, so a
-killed sweep keeps what it measured (recorded: results/scale/scale.md).
+  - the predict programs (greedy target-only and greedy speculative at --gamma, the draft
+    replicated): bytes per device (against the chip's HBM), the collectives of one iteration of
+    each loop, cache-sized copies and host transfers inside loop bodies;
+  - on a TPU, two XLA:TPU estimates of the straight-line programs of `aot.decode_programs` (the
+    target's step at 1 and gamma + 1 tokens, the draft's at 1 and 2, the prefill, one loop
+    iteration at gamma 0 and at each --gammas, greedy and at temperature 1): `optimal_seconds`
+    (`aot.optimal_seconds`, the compiler's bound for the whole program) and the sum of its ops'
+    `estimated_cycles` (`compiled.entry_cycles`, its schedule, which adds up call by call);
+    straight-line, as XLA counts a loop body once (`compiled.while_cost_is_per_body`);
+  - the loop's own work at --gamma: an iteration's cycles, ops and bytes beyond its calls';
+  - the speedup each estimate predicts at the embedded pair's acceptance and at the paper's:
+    expected tokens per iteration times the target-only iteration over the speculative one.
+
+Writes tpu.json and tpu.md (--platform cpu: scale.json and scale.md) after every block;
+--resume keeps the blocks already there. T5X's own greedy loop, compiled the same way in T5X's
+environment (`benchmarks.scale_t5x`, run apart into t5x_tpu.json beside them), joins the TPU
+tables. Estimates are a compiler's, for an idle chip: a lower bound, not timings (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -42,26 +45,24 @@ if 'jax' not in sys.modules:  # the device count must be set before JAX starts
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
-import subprocess
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import compiled as xla
 from benchmarks import harness
-from benchmarks import roofline
 from speculative_t5x import aot
+from speculative_t5x import costs
 from speculative_t5x import decoding
 from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
 
-NAME = 'scale'
-DEVICES = 8
+DEVICES = 8  # --platform cpu
 INPUT_LENGTH = 512
 DRAFT = 'small'
 # The smallest configs that still split heads, MLP and vocabulary 8 ways (--tiny, the tests).
@@ -71,7 +72,13 @@ TINY = {'target': dict(vocab_size=128, emb_dim=32, num_heads=8, head_dim=4, num_
         'draft': dict(vocab_size=128, emb_dim=16, num_heads=2, head_dim=4, num_encoder_layers=1,
                       num_decoder_layers=1, mlp_dim=16, mlp_activations=('gelu', 'linear'),
                       dropout_rate=0.0, dtype='bfloat16')}
-PLACEMENTS = (partitioning.DRAFT_SHARDED, partitioning.DRAFT_REPLICATED)
+DRAFTS = ('small', 'small-dec2')
+SETTINGS = {'greedy': 0.0, 't1': 1.0}
+# Acceptance the predictions use, (greedy, T=1): the embedded pair's measured, the paper's.
+ALPHAS = {'embedded pair': (0.90, 0.86), 'paper': (0.75, 0.62)}
+PAPER = {'greedy': 3.4, 't1': 2.6}  # the paper's walltime speedups: T5-XXL, T5-small, one TPU v4
+MEASURES = ('optimal_seconds', 'cycles')
+NAME = 'scale'
 
 
 def model_config(size: str) -> network.T5Config:
@@ -80,6 +87,17 @@ def model_config(size: str) -> network.T5Config:
     return network.T5Config(**TINY['draft' if size.endswith('draft') else 'target'])
   path = gin_utils.resolve_path(f'gin_configs/models/t5_1_1/{size}.gin')
   return network.T5Config(**xla.config_values(Path(path)))
+
+
+def draft_config(name: str, target: network.T5Config) -> network.T5Config:
+  """'small' (T5 1.1 small) or 'small-dec2' (its widths, 2 decoder layers, no encoder: reads
+  the target's encoder output); the tiny draft's under --tiny."""
+  tiny = target.vocab_size == TINY['target']['vocab_size']
+  base = model_config('tiny_draft' if tiny else DRAFT)
+  if name == 'small':
+    return base
+  return network.T5Config(**{**base.__dict__, 'num_encoder_layers': 0,
+                             'num_decoder_layers': 2, 'encoded_width': target.emb_dim})
 
 
 def decoder(target: network.T5Config, draft: network.T5Config, gamma: int
@@ -92,121 +110,21 @@ def decoder(target: network.T5Config, draft: network.T5Config, gamma: int
                                     decode_kwargs={'temperature': 0.0, 'gamma': gamma})
 
 
-def abstract_batch(batch: int, input_length: int, output_length: int) -> Dict[str, Any]:
-  return {'encoder_input_tokens': jax.ShapeDtypeStruct((batch, input_length), jnp.int32),
-          'decoder_input_tokens': jax.ShapeDtypeStruct((batch, output_length), jnp.int32)}
-
-
-def abstract_cache(config: network.T5Config, params: Any, batch: int, input_length: int,
-                   output_length: int) -> network.DecoderCache:
-  """The DecoderCache a decode of these shapes starts from, abstractly."""
-  module = network.Transformer(config)
-
-  def init(p, tokens):
-    encoded = module.apply({'params': p}, tokens, method=network.Transformer.encode)
-    return module.apply({'params': p}, encoded, tokens, output_length,
-                        method=network.Transformer.init_cache)
-
-  return jax.eval_shape(init, params, jax.ShapeDtypeStruct((batch, input_length), jnp.int32))
-
-
-def predict_program(model: models.EncoderDecoderModel, mesh: Any, params: Any,
-                    batch: Mapping[str, Any], placement: str, big_bytes: int) -> Dict[str, Any]:
-  """Memory, whole-program cost, loop collectives and compile seconds of one predict."""
+def predict_program(model: models.EncoderDecoderModel, mesh: Any, params: Any, batch: int,
+                    lengths: Tuple[int, int], placement: str, big_bytes: int
+                    ) -> Dict[str, Any]:
+  """Memory, whole-program cost, loop collectives, cache-sized copies (count and bytes) and
+  compile seconds of one predict program for [batch, lengths[0]] inputs, lengths[1] outputs."""
   fn = partitioning.partition_predict(model, mesh, params=params, draft_placement=placement)
+  shapes = {'encoder_input_tokens': jax.ShapeDtypeStruct((batch, lengths[0]), jnp.int32),
+            'decoder_input_tokens': jax.ShapeDtypeStruct((batch, lengths[1]), jnp.int32)}
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  program, seconds = xla.time_compile(lambda: fn.lower(params, batch, rng).compile())
+  program, seconds = xla.time_compile(lambda: fn.lower(params, shapes, rng).compile())
   loops = xla.loop_report(program.as_text(), big_bytes)
+  copies = [c for l in loops for c in l['big_copies']]
   return {'compile_s': seconds, 'memory': xla.memory(program), 'cost': xla.cost(program),
           'loops': xla.summarize_loops(loops),
-          'big_copies': [c for l in loops for c in l['big_copies']]}
-
-
-def step_program(config: network.T5Config, params: Any, decode_vars: Any,
-                 cache: network.DecoderCache, mesh: Any, rules: partitioning.LogicalAxisRules,
-                 k: int) -> Dict[str, Any]:
-  """Cost, op count and collectives of one cached decoder step of k tokens per row
-  (`aot.step_program`), with the shardings the loop gives params and cache."""
-  program, seconds = xla.time_compile(
-      lambda: aot.step_program(config, params, decode_vars, cache, mesh, rules, k))
-  module_text = xla.Module.parse(program.as_text())
-  return {'compile_s': seconds, **xla.cost(program), 'ops': xla.entry_ops(module_text),
-          'collectives': xla.collectives(module_text.instructions(module_text.entry,
-                                                                  into_loops=True))}
-
-
-def step_ks(gammas: Sequence[int], projection_gammas: Sequence[int]) -> List[int]:
-  """Target step widths a block compiles: 1 (target-only) and every verify call, gamma + 1."""
-  return sorted({1} | {g + 1 for g in list(gammas) + list(projection_gammas)})
-
-
-def per_device_bytes(model: models.EncoderDecoderModel, mesh: Any, params: Any,
-                     caches: Mapping[str, network.DecoderCache]) -> Dict[str, Any]:
-  """Parameter and cache bytes one device holds, the draft's under each placement."""
-  out = {'params': {}, 'cache': {}}
-  for placement in PLACEMENTS:
-    shardings = partitioning.pair_shardings(model, mesh, params=params,
-                                            draft_placement=placement)
-    rules = partitioning.model_rules(model, mesh, draft_placement=placement)
-    for name in ('target', 'draft'):
-      key = name if name == 'target' else f'draft_{placement}'
-      out['params'][key] = (xla.sharded_bytes(params[name], shardings[name]) +
-                            xla.sharded_bytes(params['decode'][name], shardings['decode'][name]))
-      out['cache'][key] = xla.sharded_bytes(
-          caches[name], partitioning.cache_shardings(caches[name], mesh, rules[name]))
-  out['params_total'] = {name: xla.tree_bytes(params[name]) for name in ('target', 'draft')}
-  out['cache_total'] = {name: xla.tree_bytes(caches[name]) for name in ('target', 'draft')}
-  return out
-
-
-def step_memory(config: network.T5Config, params: Any, shardings: Any,
-                cache: network.DecoderCache, cache_sharding: Any, input_length: int,
-                data_size: int) -> Dict[str, int]:
-  """Per-device bytes a cached decoder step has to read from memory on an accelerator, by part:
-  the decoder's weights without the cross-attention key/value kernels (plus the embedding when
-  it is tied to the logits), those kernels (applied once here, on every step by T5X's
-  network), the self- and cross-attention caches (read whole: static length), and the encoder
-  output [batch / data, input_length, emb] in the activation dtype (what T5X's step reads
-  instead of a cross-attention cache). XLA:CPU's own `bytes accessed` is far larger: it counts
-  the float32 copies its bfloat16 dots make, which an accelerator does not."""
-  parts = {'weights': 0, 'cross_kv_weights': 0}
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
-    names = [getattr(k, 'key', '') for k in path]
-    if names[0] != 'decoder' and not (config.logits_via_embedding and
-                                      names[0] == 'token_embedder'):
-      continue
-    part = ('cross_kv_weights' if 'encoder_decoder_attention' in names and
-            ('key' in names or 'value' in names) else 'weights')
-    parts[part] += xla.sharded_bytes(leaf, sharding)
-  for field in ('self', 'cross'):
-    leaves = getattr(cache, f'{field}_key') + getattr(cache, f'{field}_value')
-    shards = getattr(cache_sharding, f'{field}_key') + getattr(cache_sharding, f'{field}_value')
-    parts[f'{field}_cache'] = xla.sharded_bytes(leaves, shards)
-  batch = cache.index.shape[0] // data_size
-  parts['encoded'] = batch * input_length * config.emb_dim * np.dtype(config.dtype).itemsize
-  return parts
-
-
-def step_memories(b: Mapping[str, Any], draft: str, input_length: int, dtype: str
-                  ) -> Dict[str, Dict[str, int]]:
-  """`step_memory` of the target and of the draft under each placement of block `b`."""
-  target, draft_config = model_config(b['size']), model_config(draft)
-  params = aot.abstract_params(target, draft_config, dtype)
-  mesh = partitioning.create_mesh(tuple(b['mesh']))
-  model = decoder(target, draft_config, 0)
-  out = {}
-  for placement in PLACEMENTS:
-    shardings = partitioning.pair_shardings(model, mesh, params=params,
-                                            draft_placement=placement)
-    rules = partitioning.model_rules(model, mesh, draft_placement=placement)
-    for name, config in (('target', target), ('draft', draft_config)):
-      cache = abstract_cache(config, params[name], b['batch'], input_length, b['output_length'])
-      key = name if name == 'target' else f'draft_{placement}'
-      out[key] = step_memory(config, params[name], shardings[name], cache,
-                             partitioning.cache_shardings(cache, mesh, rules[name]),
-                             input_length, b['mesh'][0])
-  return out
+          'big_copies': {'count': len(copies), 'bytes': sum(c['bytes'] for c in copies)}}
 
 
 def layer_cache_bytes(caches: Mapping[str, network.DecoderCache], mesh: Any,
@@ -220,322 +138,385 @@ def layer_cache_bytes(caches: Mapping[str, network.DecoderCache], mesh: Any,
   return min(sizes)
 
 
-def block(size: str, mesh_shape: Tuple[int, int], batch: int, output_length: int,
-          args: argparse.Namespace) -> Dict[str, Any]:
-  """Every figure of one (size, mesh, batch, output length)."""
-  target, draft = model_config(size), model_config(args.draft)
-  params = aot.abstract_params(target, draft, args.param_dtype)
-  mesh = partitioning.create_mesh(mesh_shape)
-  base = decoder(target, draft, 0)
-  caches = {name: abstract_cache(config, params[name], batch, args.input_length, output_length)
-            for name, config in (('target', target), ('draft', draft))}
-  rules = {p: partitioning.model_rules(base, mesh, draft_placement=p) for p in PLACEMENTS}
-  big = layer_cache_bytes(caches, mesh, rules[partitioning.DRAFT_REPLICATED])
-  shapes = abstract_batch(batch, args.input_length, output_length)
-  programs = {'target-only': predict_program(base, mesh, params, shapes,
-                                             partitioning.DRAFT_SHARDED, big)}
-  # On a mesh without a 'model' axis both placements are the same program: compiled once.
-  placements = args.placements if mesh_shape[1] > 1 else args.placements[:1]
-  for gamma in args.gammas:
-    for placement in placements:
-      programs[f'gamma={gamma} draft={placement}'] = predict_program(
-          decoder(target, draft, gamma), mesh, params, shapes, placement, big)
-  steps = {'target': {str(k): step_program(target, params['target'], params['decode']['target'],
-                                           caches['target'], mesh, rules[PLACEMENTS[0]]['target'],
-                                           k)
-                      for k in step_ks(args.gammas, args.projection_gammas)}}
-  for placement in placements:
-    steps[f'draft_{placement}'] = {
-        str(k): step_program(draft, params['draft'], params['decode']['draft'], caches['draft'],
-                             mesh, rules[placement]['draft'], k) for k in (1, 2)}
-  return {'size': size, 'mesh': list(mesh_shape), 'batch': batch, 'output_length': output_length,
-          'per_device': per_device_bytes(base, mesh, params, caches), 'cache_layer_bytes': big,
-          'programs': programs, 'steps': steps}
+def estimate(program: Any) -> Dict[str, Any]:
+  """A compiled straight-line program: XLA:TPU's time (corrected), flops, bytes, ops."""
+  module = xla.Module.parse(program.as_text())
+  return {**xla.cost(program), 'optimal_seconds': aot.optimal_seconds(program),
+          'cycles': xla.entry_cycles(program.as_text()), 'ops': xla.entry_ops(module),
+          'collectives': xla.collectives(module.instructions(module.entry, into_loops=True))}
 
 
-def block_key(size: str, mesh: Tuple[int, int], batch: int, output_length: int) -> str:
-  return f'{size} {mesh[0]}x{mesh[1]} b{batch} out{output_length}'
-
-
-def sweep(args: argparse.Namespace) -> List[Tuple[str, Tuple[int, int], int, int]]:
-  """(size, mesh, batch, output length) in run order: the first output length at every batch
-  (batches outermost: every size and mesh at the first batch before the next), then the short
-  outputs at --short_batches. A mesh whose 'data' size does not divide the batch is skipped."""
-  out = []
-  for index, length in enumerate(args.output_lengths):
-    for batch in args.batches if index == 0 else args.short_batches:
-      out += [(size, mesh, batch, length) for size in args.sizes for mesh in args.meshes
-              if batch % mesh[0] == 0]
+def predict_figures(model: Any, mesh: Any, params: Any, batch: int, args: argparse.Namespace,
+                    big_bytes: int) -> Dict[str, Any]:
+  """A whole predict program: its fit in HBM (a TPU's), loop collectives, copies, transfers."""
+  out = aot.compile_program(lambda: predict_program(
+      model, mesh, params, batch, (args.input_length, args.output_length), aot.REPLICATED,
+      big_bytes))
+  m = out['memory']
+  need = m['argument_bytes'] + m['output_bytes'] + m['temp_bytes'] - m['alias_bytes']
+  out['fit'] = {'bytes': need}
+  if args.platform == 'tpu':
+    hbm = aot.hbm_bytes(list(mesh.devices.flat))
+    out['fit'].update(hbm=hbm, fits=need <= hbm, short_by=max(need - hbm, 0))
   return out
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  p = harness.parser(__doc__, sentences='', rounds=0)
-  p.set_defaults(machine=NAME)
-  p.add_argument('--sizes', default='large,xl,xxl', help='T5 1.1 target sizes (or tiny)')
-  p.add_argument('--draft', default=DRAFT, help='T5 1.1 draft size (tiny_draft with tiny)')
-  p.add_argument('--meshes', default='1x8,2x4,8x1', help='(data)x(model) meshes of 8 devices')
-  p.add_argument('--batches', default='8,1,32', help='batch sizes, run in this order')
-  p.add_argument('--input_length', type=int, default=INPUT_LENGTH)
-  p.add_argument('--output_lengths', default='128,32',
-                 help='decoder lengths; the ones after the first only at --short_batches')
-  p.add_argument('--short_batches', default='8')
-  p.add_argument('--gammas', default=None,
-                 help='greedy speculative gammas compiled (default 3,5; with --platform tpu the '
-                      'iterations compiled, default 2,4,7)')
-  p.add_argument('--projection_gammas', default='3,5,7', help='gammas of the projection')
-  p.add_argument('--placements', default=','.join(PLACEMENTS),
-                 help='draft placements of the speculative programs')
-  p.add_argument('--param_dtype', default=None,
-                 help="parameters' dtype (default float32 as T5X keeps them, activations "
-                      'bfloat16; with --platform tpu bfloat16, as a TPU job serves them)')
-  p.add_argument('--t5x_python', default=None,
-                 help="python of an environment with T5X: adds T5X's temperature_sample")
-  p.add_argument('--t5x_pythonpath', default='', help='extra PYTHONPATH entries for it')
-  p.add_argument('--resume', action='store_true', help='keep the blocks already in the JSON')
-  p.add_argument('--platform', default='cpu', choices=('cpu', 'tpu'),
-                 help='cpu: 8 fake CPU devices; tpu: XLA:TPU programs for --topology '
-                      '(needs libtpu; benchmarks.tpu)')
-  p.add_argument('--topology', default='v4:1x1x1,v5e:2x4,v5p:2x2x1,v6e:2x4',
-                 help='TPU topologies, with --platform tpu')
-  p.add_argument('--drafts', default='small,small-dec2',
-                 help='with --platform tpu: the drafts (benchmarks.tpu.DRAFTS)')
-  p.add_argument('--gamma', type=int, default=4,
-                 help="with --platform tpu: the predict programs' gamma, and the loop's own "
-                      'work is read at it')
-  p.add_argument('--tpu_meshes', default='model',
-                 help="with --platform tpu: 'model' (1 x n), 'both' (2 x n/2), 'data' (n x 1)")
-  p.add_argument('--tiny', action='store_true',
-                 help='tiny target and draft, input 16 / output 8 (seconds; the tests)')
-  args = p.parse_args(argv)
-  if args.tiny:
-    args.sizes, args.draft, args.input_length = 'tiny', 'tiny_draft', 16
-    args.output_lengths = '8' if args.output_lengths == '128,32' else args.output_lengths
-  args.sizes = [s for s in args.sizes.split(',') if s]
-  args.meshes = [tuple(int(x) for x in m.split('x')) for m in args.meshes.split(',') if m]
-  args.batches = harness.parse_ints(args.batches, '--batches')
-  args.output_lengths = harness.parse_ints(args.output_lengths, '--output_lengths')
-  args.short_batches = harness.parse_ints(args.short_batches, '--short_batches')
-  args.gammas = harness.parse_ints(args.gammas or ('2,4,7' if args.platform == 'tpu' else '3,5'),
-                                   '--gammas')
-  args.projection_gammas = harness.parse_ints(args.projection_gammas, '--projection_gammas')
-  args.placements = [p for p in args.placements.split(',') if p]
-  args.param_dtype = args.param_dtype or ('bfloat16' if args.platform == 'tpu' else 'float32')
-  return args
+def draft_figures(size: str, draft: str, mesh: Any, batch: int, args: argparse.Namespace,
+                  with_target: bool) -> Dict[str, Any]:
+  """One draft's programs at one block; with_target also the target's own (steps, its
+  iterations, its predict program), which are the same whichever draft is beside it."""
+  target = model_config(size)
+  config = draft_config(draft, target)
+  gammas = sorted({0, args.gamma} | set(args.gammas))
+  programs = {} if args.platform != 'tpu' else aot.decode_programs(
+      target, config, mesh, batch, input_length=args.input_length,
+      output_length=args.output_length, target_ks=sorted({1} | {g + 1 for g in gammas}),
+      iterations=[(g, t) for g in gammas for t in SETTINGS.values()], dtype=args.param_dtype)
+  shared = lambda name: name.startswith('target ') or name.startswith('iteration 0 ')
+  params = aot.abstract_params(target, config, args.param_dtype)
+  model = decoder(target, config, args.gamma)
+  caches = aot.abstract_caches(model, params, batch, args.input_length, args.output_length)
+  rules = partitioning.model_rules(model, mesh, draft_placement=aot.REPLICATED)
+  big = layer_cache_bytes(dict(zip(('target', 'draft'), caches)), mesh, rules)
+  out = {'programs': {}}
+  try:  # the whole predict programs first: one that does not fit ends the block
+    if with_target:
+      out['target_predict'] = predict_figures(decoder(target, config, 0), mesh, params, batch,
+                                              args, big)
+    out['predict'] = predict_figures(model, mesh, params, batch, args, big)
+    for name, build in programs.items():
+      if with_target or not shared(name):
+        program, seconds = xla.time_compile(lambda: aot.compile_program(build))
+        out['programs'][name] = {'compile_s': seconds, **estimate(program)}
+  except aot.DoesNotFit as error:
+    out['does_not_fit'] = str(error)
+  return out
 
 
-def start_t5x(args: argparse.Namespace, blocks: Sequence[Tuple[str, Tuple[int, int], int, int]]
-              ) -> Optional[subprocess.Popen]:
-  """T5X's side (`benchmarks.scale_t5x`) in its own process and environment, writing
-  <out_dir>/scale_t5x.json; None without --t5x_python."""
-  if not args.t5x_python:
-    return None
-  root = str(harness.REPO)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [root] + [p for p in args.t5x_pythonpath.split(os.pathsep) if p]))
-  spec = {'blocks': [[s, list(m), b, o] for s, m, b, o in blocks], 'draft': args.draft,
-          'input_length': args.input_length, 'param_dtype': args.param_dtype,
-          'ks': [1], 'out': str(harness.out_dir(args) / 'scale_t5x.json'),
-          'configs': {s: model_config(s).__dict__ for s in {b[0] for b in blocks}}}
-  spec['configs'] = {s: {k: (str(v) if k == 'dtype' else v) for k, v in c.items()}
-                     for s, c in spec['configs'].items()}
-  log = open(harness.out_dir(args) / 'scale_t5x.log', 'w')
-  return subprocess.Popen([args.t5x_python, '-m', 'benchmarks.scale_t5x', json.dumps(spec)],
-                          env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+def block(topology: str, devices: Sequence[Any], size: str, mesh_shape: Tuple[int, int],
+          batch: int, args: argparse.Namespace) -> Dict[str, Any]:
+  """Both drafts' programs and the target's at one (topology, size, mesh, batch)."""
+  mesh = partitioning.create_mesh(mesh_shape, devices=devices)
+  out = {'topology': topology, 'device_kind': devices[0].device_kind, 'size': size,
+         'mesh': list(mesh_shape), 'batch': batch, 'gamma': args.gamma,
+         'output_length': args.output_length, 'drafts': {}}
+  for index, draft in enumerate(args.drafts):
+    figures = draft_figures(size, draft, mesh, batch, args, with_target=index == 0)
+    if 'does_not_fit' in figures:  # XLA:TPU's line: needed and available HBM
+      out['does_not_fit'] = figures['does_not_fit']
+      return out
+    if 'target_predict' in figures:
+      out['target_predict'] = figures.pop('target_predict')
+      out['target'] = {n: p for n, p in figures['programs'].items()
+                       if n.startswith('target ') or n.startswith('iteration 0 ')}
+    figures['programs'] = {n: p for n, p in figures['programs'].items()
+                           if n not in out['target']}
+    out['drafts'][draft] = figures
+  return out
 
 
-def read_t5x(args: argparse.Namespace) -> Dict[str, Any]:
-  path = harness.out_dir(args) / 'scale_t5x.json'
-  return json.loads(path.read_text()) if path.exists() else {}
+def meshes(devices: Sequence[Any], spec: str, batch: int) -> List[Tuple[int, int]]:
+  """(data, model) meshes of the topology's devices: 'model' (1 x n), 'both' (2 x n/2), 'data'
+  (n x 1); a 'data' size that does not divide the batch is skipped."""
+  n = len(devices)
+  shapes = {'model': (1, n), 'both': (2, n // 2), 'data': (n, 1)}
+  out = []
+  for name in spec.split(','):
+    shape = shapes[name]
+    if shape[0] * shape[1] == n and batch % shape[0] == 0 and shape not in out:
+      out.append(shape)
+  return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-  args = parse_args(argv)
+def topology_devices(args: argparse.Namespace, topology: str) -> List[Any]:
+  """A TPU topology's devices, or with --platform cpu this process's 8 CPU devices."""
   if args.platform == 'tpu':
-    from benchmarks import tpu  # pylint: disable=g-import-not-at-top
-    return tpu.main(args, argv)
+    return aot.topology_devices(topology)
   if jax.device_count() < DEVICES:
-    raise SystemExit(f'error: benchmarks.scale needs {DEVICES} devices; run it as its own '
+    raise SystemExit(f'error: benchmarks.scale needs {DEVICES} CPU devices; run it as its own '
                      'process (it sets --xla_force_host_platform_device_count=8 before JAX '
                      'starts).')
-  harness.out_dir(args).mkdir(parents=True, exist_ok=True)
-  blocks = sweep(args)
-  previous = json.loads((harness.out_dir(args) / f'{NAME}.json').read_text()) if (
-      args.resume and (harness.out_dir(args) / f'{NAME}.json').exists()) else {}
-  results = {'meta': harness.meta(NAME, argv, args, input_length=args.input_length,
-                                  output_length=args.output_lengths, draft=args.draft,
-                                  param_dtype=args.param_dtype, gammas=args.gammas,
-                                  projection_gammas=args.projection_gammas,
-                                  while_cost_flops=xla.while_cost_is_per_body()),
-             'blocks': previous.get('blocks', {}), 't5x': {}}
-  t5x = start_t5x(args, blocks)
-  # A T5X side run apart (benchmarks.scale_t5x into the same folder) is merged as well.
-  results['t5x'] = read_t5x(args) or {'skipped': 'no --t5x_python given'}
-  for size, mesh, batch, length in blocks:
-    key = block_key(size, mesh, batch, length)
-    if key not in results['blocks']:
-      results['blocks'][key] = block(size, mesh, batch, length, args)
-    elif 'step_memory' in results['blocks'][key]:
-      continue
-    results['blocks'][key]['step_memory'] = step_memories(
-        results['blocks'][key], args.draft, args.input_length, args.param_dtype)
-    print(key, summary_line(results['blocks'][key]), flush=True)
-    results['t5x'] = read_t5x(args) or results['t5x']
-    paths = harness.write_results(args, NAME, results, markdown)
-  if t5x is not None:
-    t5x.wait()
-    results['t5x'] = read_t5x(args) or {'skipped': f'T5X process ended with {t5x.returncode}; '
-                                                  'see scale_t5x.log'}
-  paths = harness.write_results(args, NAME, results, markdown)
-  print('wrote', *paths)
+  return jax.devices()[:DEVICES]
+
+
+def run(args: argparse.Namespace, results: Dict[str, Any], write: Callable[[Any], Any]
+        ) -> Dict[str, Any]:
+  """Every block of the sweep (topologies, then sizes, then batches), written after each;
+  blocks already in `results` are kept."""
+  for topology in args.topologies:
+    devices = topology_devices(args, topology)
+    for size in args.sizes:
+      for batch in args.batches:
+        for mesh_shape in meshes(devices, args.meshes, batch):
+          key = f'{topology} {size} {mesh_shape[0]}x{mesh_shape[1]} b{batch}'
+          if key not in results['blocks']:
+            results['blocks'][key] = block(topology, devices, size, mesh_shape, batch, args)
+            print(key, summary_line(results['blocks'][key]), flush=True)
+            write(results)
   return results
 
 
+def _programs(b: Mapping[str, Any], draft: str) -> Dict[str, Any]:
+  return {**b['target'], **b['drafts'][draft]['programs']}
+
+
+def loop_figures(b: Mapping[str, Any], draft: str, setting: str) -> Dict[str, float]:
+  """At the block's gamma: c (draft step over target step) and the verify call over the step,
+  by each measure; each iteration's own work beyond its model calls, by the additive measure
+  (cycles, over a target step's), in ops and in bytes."""
+  programs, gamma, temperature = _programs(b, draft), b['gamma'], SETTINGS[setting]
+  calls = {0: ['target 1'], gamma: [f'target {gamma + 1}', 'draft 2'] + ['draft 1'] * (gamma - 1)}
+  out = {'step_us': 1e6 * programs['target 1']['optimal_seconds']}
+  compiled = sorted(int(n.split()[1]) for n in programs if n.startswith('iteration ') and
+                    n.endswith(f' {temperature:g}') and n.split()[1] != '0')
+  for measure in MEASURES:
+    step = programs['target 1'][measure]
+    out[f'c {measure}'] = programs['draft 1'][measure] / step
+    out[f'verify {measure}'] = programs[f'target {gamma + 1}'][measure] / step
+    if len(compiled) >= 2:
+      # A draft call inside an iteration: what the two longest drafts' iterations differ by,
+      # less their verify calls' difference, per call. A step program alone also pays what an
+      # iteration pays once (XLA:TPU's bound is not additive).
+      low, high = compiled[-2:]
+      at = lambda name: programs[name][measure]
+      out[f'c in loop {measure}'] = (
+          at(f'iteration {high} {temperature:g}') - at(f'iteration {low} {temperature:g}') -
+          at(f'target {high + 1}') + at(f'target {low + 1}')) / (high - low) / step
+  for g, names in calls.items():
+    iteration = programs[f'iteration {g} {temperature:g}']
+    beyond = lambda key: iteration[key] - sum(programs[n][key] for n in names)
+    tag = 'target_only' if g == 0 else 'speculative'
+    out.update({f'{tag}_us': 1e6 * iteration['optimal_seconds'],
+                f'{tag}_overhead': beyond('cycles') / programs['target 1']['cycles'],
+                f'{tag}_ops': beyond('ops'), f'{tag}_mb': beyond('bytes_accessed') / 1e6})
+  return out
+
+
+def predicted(b: Mapping[str, Any], draft: str, setting: str, alpha: float, measure: str
+              ) -> Tuple[int, float]:
+  """(best gamma, speedup over the target alone) at acceptance alpha by one measure: expected
+  tokens per iteration times the target-only iteration over the speculative one, the best of
+  the compiled gammas."""
+  programs, temperature = _programs(b, draft), SETTINGS[setting]
+  iteration = lambda g: programs[f'iteration {g} {temperature:g}'][measure]
+  gammas = [int(n.split()[1]) for n in programs if n.startswith('iteration ') and
+            n.endswith(f' {temperature:g}') and n.split()[1] != '0']
+  return max(((g, costs.expected_tokens(alpha, g) * iteration(0) / iteration(g)) for g in gammas),
+             key=lambda item: item[1])
+
+
 def summary_line(b: Mapping[str, Any]) -> str:
-  """Progress: compile seconds, temporaries and loop collectives of each program."""
+  """Progress: each draft's speculative loop and, with estimates, its predicted speedup."""
+  if 'does_not_fit' in b:
+    return f"does not fit: {b['does_not_fit']}"
   parts = []
-  for name, prog in b['programs'].items():
-    loops = prog['loops']
-    parts.append(f"{name}: {prog['compile_s']:.0f}s temp "
-                 f"{prog['memory']['temp_bytes'] / 2**20:.0f}MiB outer "
-                 f"{roofline.collective_text(loops.get('outer', {}))} inner "
-                 f"{roofline.collective_text(loops.get('inner', {}))}")
+  for draft, d in b['drafts'].items():
+    parts.append(f"{draft}: needs {fit_cell(d['predict'])} GiB, {loop_cell(d['predict'])}")
+    if b['target']:
+      gamma, speedup = predicted(b, draft, 'greedy', ALPHAS['paper'][0], 'optimal_seconds')
+      parts[-1] += f", greedy at the paper's alpha {speedup:.2f}x (gamma {gamma})"
   return '; '.join(parts)
 
 
-def _mb(value: float) -> str:
-  return f'{value / 1e6:.0f}' if value >= 1e6 else f'{value / 1e6:.2f}'
+def _gib(n: float) -> str:
+  return f'{n / 2**30:.2f}'
 
 
-def iteration_collectives(program: Mapping[str, Any], gamma: int) -> Dict[str, Dict[str, int]]:
-  """One iteration's collectives: the outer body and the draft loop's body gamma - 1 times
-  (every row drafting gamma tokens; the first draft call is in the outer body)."""
-  loops = program['loops']
-  return roofline.add_collectives(loops.get('outer', {}), loops.get('inner', {}),
-                                  times=(1, max(gamma - 1, 0)))
+def fit_cell(p: Mapping[str, Any]) -> str:
+  f = p['fit']
+  if 'hbm' not in f:
+    return _gib(f['bytes'])
+  return (f"{_gib(f['bytes'])} of {_gib(f['hbm'])}" +
+          ('' if f['fits'] else f" (short by {_gib(f['short_by'])})"))
 
 
-def speculative_names(results: Mapping[str, Any]) -> List[str]:
-  """The speculative programs of any block, in first-seen order (a table's columns)."""
-  names = {}
-  for b in results['blocks'].values():
-    names.update((n, None) for n in b['programs'] if n != 'target-only')
-  return list(names)
-
-
-def memory_rows(results: Mapping[str, Any]) -> List[List[str]]:
-  t5x = results.get('t5x', {}).get('blocks', {})
-  spec = speculative_names(results)
-  rows = []
-  for key, b in results['blocks'].items():
-    d, progs = b['per_device'], b['programs']
-    temp = lambda name: _mb(progs[name]['memory']['temp_bytes']) if name in progs else ''
-    t = t5x.get(key, {}).get('program', {}).get('memory', {})
-    rows.append([key, _mb(d['params']['target']), _mb(d['params'].get('draft_sharded', 0)),
-                 _mb(d['params'].get('draft_replicated', 0)), _mb(d['cache']['target']),
-                 _mb(d['cache'].get('draft_sharded', 0)),
-                 _mb(progs['target-only']['memory']['argument_bytes']), temp('target-only')] +
-                [temp(n) for n in spec] +
-                [_mb(t['argument_bytes']) if t else '', _mb(t['temp_bytes']) if t else ''])
-  return rows
-
-
-def collective_rows(results: Mapping[str, Any]) -> List[List[str]]:
-  t5x = results.get('t5x', {}).get('blocks', {})
-  rows = []
-  for key, b in results['blocks'].items():
-    progs = b['programs']
-    cells = [key, roofline.collective_text(progs['target-only']['loops'].get('outer', {}))]
-    for name in speculative_names(results):
-      prog = progs.get(name)
-      if prog is None:
-        cells.append('')
-        continue
-      gamma = int(name.split()[0].split('=')[1])
-      loops = prog['loops']
-      cells.append(f"{roofline.collective_text(loops.get('outer', {}))} + "
-                   f"{gamma - 1} x [{roofline.collective_text(loops.get('inner', {}))}] = "
-                   f"{roofline.collective_text(iteration_collectives(prog, gamma))}")
-    t = t5x.get(key, {}).get('program', {}).get('loops', {})
-    cells.append(roofline.collective_text(t.get('outer', {})) if t else '')
-    copies = sum(len(p['big_copies']) for p in progs.values())
-    converts = progs['target-only']['loops'].get('big_converts', {}).get('outer', '')
-    rows.append(cells + [str(copies), str(converts)])
-  return rows
-
-
-def token_rows(results: Mapping[str, Any]) -> List[List[str]]:
-  t5x = results.get('t5x', {}).get('blocks', {})
-  rows = []
-  for key, b in results['blocks'].items():
-    steps = b['steps']
-    target = steps['target']
-    cell = lambda s: f"{s['flops'] / 1e9:.2f} / {s['bytes_accessed'] / 1e6:.0f}"
-    t = t5x.get(key, {}).get('steps', {}).get('1')
-    rows.append([key, cell(target['1'])] +
-                [cell(target[k]) for k in sorted(target, key=int) if k != '1'] +
-                [cell(steps[f'draft_{p}']['1']) for p in PLACEMENTS if f'draft_{p}' in steps] +
-                [roofline.collective_text(target['1']['collectives']),
-                 roofline.collective_text(steps.get('draft_sharded', {}).get('1', {}).get(
-                     'collectives', {})),
-                 cell(t) if t else '',
-                 ' / '.join(f"{p['compile_s']:.0f}" for p in b['programs'].values()),
-                 f"{t5x[key]['program']['compile_s']:.0f}" if key in t5x else ''])
-  return rows
+def loop_cell(p: Mapping[str, Any]) -> str:
+  loops = p['loops']
+  return (f"{xla.collective_text(loops.get('outer', {}))}; inner "
+          f"{xla.collective_text(loops.get('inner', {}))}; copies "
+          f"{loops.get('big_copies', 0)}; host {loops.get('host_transfers', 0)}")
 
 
 def markdown(results: Mapping[str, Any]) -> str:
-  """The report's tables (per device), the projection and T5X beside."""
+  """The tables: fit and loops; with estimates, steps, the loop's own work, predicted speedups."""
   meta = results['meta']
-  lines = harness.heading('Scale: T5 1.1 targets with the small draft on 8 devices', results)
-  lines += [f"Inputs {meta['input_length']}, outputs {meta['output_length']}, draft "
-            f"{meta['draft']}, parameters {meta['param_dtype']} (activations bfloat16). Blocks "
-            "are `size mesh(data x model) batch output-length`. All figures per device, from "
-            'the compiled programs (nothing run). XLA counts a while body once in cost '
-            f"analysis: a fori_loop's flops at trip counts 1 and 16: {meta['while_cost_flops']}.",
-            '']
-  if not results['blocks']:
+  tpu = meta.get('platform', 'tpu') == 'tpu'
+  lines = harness.heading(f"{'XLA:TPU' if tpu else 'XLA:CPU (8 devices)'}-compiled programs "
+                          f"(compile-only{', no TPU' if tpu else ''})", results)
+  lines += [(f"libtpu {meta['libtpu']}. " if tpu else '') +
+            f"Inputs {meta['input_length']}, outputs {meta['output_length']}, parameters "
+            f"{meta['param_dtype']}, the draft replicated, γ {meta['gamma']}. Blocks: `topology "
+            'size mesh(data x model) batch`. ' +
+            ("Times: XLA:TPU's `optimal_seconds`, a compiler's estimate for an idle chip (a "
+             'lower bound, not a timing).' if tpu else 'No estimates: XLA:CPU gives none.'), '']
+  rows = [[key, '', f"does not fit: {b['does_not_fit']}", '', '', '']
+          for key, b in results['blocks'].items() if 'does_not_fit' in b]
+  blocks = {key: b for key, b in results['blocks'].items() if 'does_not_fit' not in b}
+  rows += [[key, draft, fit_cell(b['target_predict']), fit_cell(d['predict']),
+            loop_cell(b['target_predict']), loop_cell(d['predict'])]
+           for key, b in blocks.items() for draft, d in b['drafts'].items()]
+  if not rows:
     return '\n'.join(lines)
-  first = next(iter(results['blocks'].values()))
-  spec = speculative_names(results)
-  lines += ['## Memory per device (MB)', '']
-  lines += harness.table(['block', 'params target', 'params draft sharded',
-                          'params draft replicated', 'cache target', 'cache draft',
-                          'arguments (target-only)', 'temporaries target-only'] +
-                         [f'temporaries {n}' for n in spec] +
-                         ["T5X arguments", "T5X temporaries"], memory_rows(results)) + ['']
-  lines += ['## Collectives per loop iteration (count, result bytes)', '',
-            'Speculative: outer body + (γ - 1) x the draft loop body = one iteration.', '']
-  lines += harness.table(['block', 'target-only'] + spec +
-                         ["T5X's loop", 'cache-sized copies (all loops)',
-                          'cache-sized dtype converts per target-only step'],
-                         collective_rows(results)) + ['']
-  target_ks = [k for k in sorted(first['steps']['target'], key=int) if k != '1']
-  lines += ['## Step programs: GFLOP / MB accessed per device; collectives; compile seconds', '']
-  lines += harness.table(['block', 'target 1 token'] + [f'target {k} tokens' for k in target_ks] +
-                         [f'draft {p}' for p in PLACEMENTS if f'draft_{p}' in first['steps']] +
-                         ['target step collectives', 'draft (sharded) step collectives',
-                          'T5X step (1 token)', 'compile s (predict programs)',
-                          'compile s T5X'], token_rows(results)) + ['']
-  lines += projection_lines(results)
-  return '\n'.join(lines)
+  lines += [f"## {'Fit in HBM' if tpu else 'Memory'} (GiB per device) and one iteration of "
+            'each loop', '',
+            'Collectives of the outer loop body; inner: the draft loop body (γ − 1 a '
+            'iteration). Copies: cache-sized copies in loop bodies; host: host transfers in '
+            'loop bodies.', '']
+  lines += harness.table(['block', 'draft', 'target-only needs', 'speculative needs',
+                          'target-only loop', 'speculative loop'], rows) + ['']
+  blocks = {key: b for key, b in blocks.items() if b['target']}  # with estimates
+  if not blocks:
+    return '\n'.join(lines)
+  return '\n'.join(lines + loop_lines(blocks) + speedup_lines(blocks) +
+                   t5x_lines(blocks, results.get('t5x', {})))
 
 
-def projection_lines(results: Mapping[str, Any]) -> List[str]:
-  """Roofline tables: greedy (α 0.75) and T=1 (α 0.62), the draft replicated (else sharded)."""
-  first = next(iter(results['blocks'].values()))
-  placement = next((p for p in reversed(PLACEMENTS) if f'draft_{p}' in first['steps']), None)
-  if placement is None:
+def loop_lines(blocks: Mapping[str, Any]) -> List[str]:
+  rows = []
+  for key, b in blocks.items():
+    for draft in b['drafts']:
+      for setting in SETTINGS:
+        f = loop_figures(b, draft, setting)
+        in_loop = lambda m: f" ({f[f'c in loop {m}']:.3f})" if f'c in loop {m}' in f else ''
+        rows.append([key, draft, setting, f"{f['step_us']:.1f}",
+                     f"{f['c optimal_seconds']:.3f}{in_loop('optimal_seconds')} / "
+                     f"{f['c cycles']:.3f}{in_loop('cycles')}",
+                     f"{f['verify optimal_seconds']:.2f} / {f['verify cycles']:.2f}",
+                     f"{f['target_only_us']:.1f}", f"{f['target_only_overhead']:.1%}",
+                     str(f['target_only_ops']), f"{f['speculative_us']:.1f}",
+                     f"{f['speculative_overhead']:.1%}", str(f['speculative_ops']),
+                     f"{f['speculative_mb']:.1f}"])
+  first = next(iter(blocks.values()))
+  return (['## Steps and the loop\'s own work', '',
+           'Each ratio by `optimal_seconds` / by cycles. c: the draft\'s 1-token step over the '
+           'target\'s (in brackets: a draft call inside an iteration, from the two longest '
+           'drafts\' iterations less their verify calls); verify: the target\'s γ+1-token '
+           f"call over its 1-token step (γ {first['gamma']}); iterations in µs by "
+           "optimal_seconds. Overhead: an iteration's cycles beyond its calls' (target-only: one "
+           "step; speculative: the verify call, the draft's 2-token first call and γ − 1 1-token "
+           "calls), over a target step's; ops and MB (bytes accessed) beyond its calls' "
+           'likewise.', ''] +
+          harness.table(['block', 'draft', 'setting', 'target step µs', 'c', 'verify / step',
+                         'target-only iteration µs', 'overhead', 'ops beyond',
+                         'speculative iteration µs', 'overhead', 'ops beyond', 'MB beyond'],
+                        rows) + [''])
+
+
+def speedup_lines(blocks: Mapping[str, Any]) -> List[str]:
+  rows = []
+  for key, b in blocks.items():
+    for draft in b['drafts']:
+      for label, alphas in ALPHAS.items():
+        cells = [key, draft, f'{label} ({alphas[0]}, {alphas[1]})']
+        for setting, alpha in zip(SETTINGS, alphas):
+          for measure in MEASURES:
+            gamma, speedup = predicted(b, draft, setting, alpha, measure)
+            cells.append(f'{speedup:.2f}x (γ {gamma})')
+        rows.append(cells)
+  return (['## The speedup the estimates predict over the target alone', '',
+           'Expected tokens per iteration, (1 − α^(γ+1)) / (1 − α), times the target-only '
+           'iteration over the speculative one, best compiled γ; prefill not counted. The paper '
+           f"(T5-XXL, T5-small, one TPU v4, batch 1, measured): {PAPER['greedy']}x greedy at α "
+           f"0.75, {PAPER['t1']}x at T=1, α 0.62.", ''] +
+          harness.table(['block', 'draft', 'α (greedy, T=1)', 'greedy, optimal_seconds',
+                         'greedy, cycles', 'T=1, optimal_seconds', 'T=1, cycles'], rows) + [''])
+
+
+def t5x_lines(blocks: Mapping[str, Any], t5x: Mapping[str, Any]) -> List[str]:
+  """T5X's own greedy loop beside ours, where `benchmarks.scale_t5x` compiled it for the
+  topology (its step as its loop's iteration; it recomputes cross-attention keys and values
+  from the encoder output at every step)."""
+  rows = []
+  for key, b in blocks.items():
+    t = t5x.get('blocks', {}).get(
+        f"{b['size']} {b['mesh'][0]}x{b['mesh'][1]} b{b['batch']} out{b['output_length']}")
+    if not t:
+      continue
+    step = t['steps']['1']['optimal_seconds']
+    ours = b['target']['iteration 0 0']['optimal_seconds']
+    cells = [key, f'{step * 1e6:.1f}', f'{ours * 1e6:.1f}', f'{step / ours:.2f}x']
+    for draft in b['drafts']:
+      gamma, speedup = predicted(b, draft, 'greedy', ALPHAS['paper'][0], 'optimal_seconds')
+      cells.append(f'{speedup * step / ours:.2f}x (γ {gamma})')
+    rows.append(cells)
+  if not rows:
     return []
-  lines = []
-  for setting in ('greedy', 'sampling'):
-    paper = roofline.PAPER[setting]
-    lines += [f"## Projection, {setting} (α = {paper['alpha']}, draft {placement}); the paper: "
-              f"{paper['speedup']}x at γ = {paper['gamma']} (T5-XXL, TPU v4)", '']
-    lines += harness.table(roofline.HEADER, roofline.table_rows(
-        results['blocks'], results.get('t5x', {}), results['meta']['projection_gammas'],
-        placement, setting)) + ['']
-  return lines
+  drafts = list(next(iter(blocks.values()))['drafts'])
+  return (["## T5X's own greedy loop, compiled the same way (optimal_seconds)", ''] +
+          harness.table(['block', "T5X's step µs", 'our target-only iteration µs',
+                         'ours over T5X, target alone'] +
+                        [f'{d} greedy at α 0.75 over T5X' for d in drafts], rows) + [''])
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument('--platform', default='cpu', choices=('cpu', 'tpu'),
+                 help='tpu: XLA:TPU for --topology (needs libtpu); cpu: 8 fake CPU devices')
+  p.add_argument('--topology', default='v4:1x1x1,v5e:2x4,v5p:2x2x1,v6e:2x4',
+                 help='TPU topologies, with --platform tpu')
+  p.add_argument('--sizes', default='large,xl,xxl', help='T5 1.1 target sizes')
+  p.add_argument('--drafts', default=','.join(DRAFTS), help=f'any of {", ".join(DRAFTS)}')
+  p.add_argument('--batches', default='8,1,32', help='batch sizes, run in this order')
+  p.add_argument('--meshes', default='model',
+                 help="(data, model) meshes: 'model' (1 x n), 'both' (2 x n/2), 'data' (n x 1)")
+  p.add_argument('--input_length', type=int, default=INPUT_LENGTH)
+  p.add_argument('--output_length', type=int, default=128)
+  p.add_argument('--gamma', type=int, default=4,
+                 help="the predict programs' gamma, at which the loop's own work is read")
+  p.add_argument('--gammas', default='2,4,7', help='the speculative iterations compiled (TPU)')
+  p.add_argument('--param_dtype', default=None,
+                 help='default bfloat16 on a TPU (as a job serves them), float32 on the CPU')
+  p.add_argument('--tiny', action='store_true',
+                 help='tiny target and draft, input 16 / output 8 (seconds; the tests)')
+  p.add_argument('--resume', action='store_true', help='keep the blocks already in the JSON')
+  harness.output_flags(p)
+  p.set_defaults(machine=NAME)
+  args = p.parse_args(argv)
+  if args.tiny:
+    args.sizes, args.input_length, args.output_length = 'tiny', 16, 8
+  args.sizes = [s for s in args.sizes.split(',') if s]
+  args.batches = harness.parse_ints(args.batches, '--batches')
+  args.gammas = harness.parse_ints(args.gammas, '--gammas')
+  args.drafts = [d for d in args.drafts.split(',') if d]
+  args.topologies = ([t for t in args.topology.split(',') if t] if args.platform == 'tpu'
+                     else ['cpu'])
+  args.param_dtype = args.param_dtype or ('bfloat16' if args.platform == 'tpu' else 'float32')
+  if not args.topologies:
+    raise SystemExit('error: --platform tpu needs --topology, e.g. v5e:2x4,v4:1x1x1.')
+  if not args.drafts or set(args.drafts) - set(DRAFTS):
+    raise SystemExit(f'error: --drafts takes {", ".join(DRAFTS)}; got {args.drafts}.')
+  if args.gamma < 1 or min(args.gammas, default=1) < 1:
+    raise SystemExit(f'error: --gamma and --gammas must be >= 1, got {args.gamma}, {args.gammas}.')
+  if set(args.meshes.split(',')) - {'model', 'both', 'data'}:
+    raise SystemExit(f"error: --meshes takes model, both, data; got {args.meshes!r}.")
+  return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  """The sweep into <out_dir>/tpu.json and tpu.md (--platform cpu: scale.json and scale.md)."""
+  args = parse_args(argv)
+  name = 'tpu' if args.platform == 'tpu' else NAME
+  for topology in args.topologies:  # a bad name fails before anything compiles
+    topology_devices(args, topology)
+  directory = harness.out_dir(args)
+  path, t5x_path = directory / f'{name}.json', directory / f't5x_{name}.json'
+  previous = json.loads(path.read_text()) if args.resume and path.exists() else {}
+  try:
+    libtpu = metadata.version('libtpu')
+  except metadata.PackageNotFoundError:
+    libtpu = 'not installed'
+  results = {'meta': {'command': harness.command_line(NAME, argv), **harness.machine(),
+                      'platform': args.platform, 'input_length': args.input_length,
+                      'output_length': args.output_length, 'gamma': args.gamma,
+                      'gammas': args.gammas, 'param_dtype': args.param_dtype, 'libtpu': libtpu,
+                      'while_cost_flops': xla.while_cost_is_per_body()},
+             'blocks': previous.get('blocks', {})}
+  if t5x_path.exists():  # T5X's side, `benchmarks.scale_t5x` run apart
+    results['t5x'] = json.loads(t5x_path.read_text())
+  write = lambda r: harness.write_results(args, name, r, markdown)
+  run(args, results, write)
+  print('wrote', *write(results))
+  return results
 
 
 if __name__ == '__main__':

@@ -1,18 +1,19 @@
 """T5X's side of `benchmarks.scale`: its own greedy loop at the same shapes and meshes.
 
-  PYTHONPATH=.:<t5 stub> /path/to/t5x-venv/bin/python -m benchmarks.scale_t5x '<spec json>'
+  PYTHONPATH=.:<t5 stub> /path/to/t5x-venv/bin/python -m benchmarks.scale_t5x \
+      '{"blocks": [["xl", [1, 8], 1, 128]], "input_length": 512, "param_dtype": "bfloat16",
+        "topology": "v5e:2x4", "out": "results/tpu/v5e/t5x_tpu.json"}'
 
-Started by `benchmarks.scale --t5x_python=...` in T5X's environment (T5X is never a dependency
-of this project; ../shared/docs/t5x_private_install.md installs it apart). For every block of the
-spec it compiles, for 8 fake CPU devices (or, with the spec's 'topology', a TPU topology's
-devices: XLA:TPU, libtpu installed in T5X's environment) and abstract parameters, T5X's
-`EncoderDecoderModel.predict_batch_with_aux` over T5X's example T5 network
-(`t5x.examples.t5.network`) with `t5x.decoding.temperature_sample` at temperature 0, partitioned
-by T5X's `standard_logical_axis_rules` and run under T5X's `PjittedFnWithContext` (its mesh and
-rules active), and one step of its loop (`_compute_logits_from_slice`, the function T5X hands
-its decoder as `tokens_to_logits`). The figures are read with `benchmarks.compiled`, as this
-project's. Writes the spec's 'out' JSON after every block; without T5X it writes why it
-skipped.
+Runs in T5X's environment (T5X is never a dependency of this project;
+../shared/docs/t5x_private_install.md installs it apart); `benchmarks.scale --platform tpu`
+reads the 'out' file in its folder (t5x_tpu.json) into its tables. Blocks: [T5 1.1 size,
+(data, model) mesh, batch, output length]; 'configs' may give a size's T5Config fields (default:
+the shipped gin file's). Per block it compiles, for 8 fake CPU devices or with 'topology' a TPU
+topology's (libtpu in T5X's environment), T5X's `EncoderDecoderModel.predict_batch_with_aux`
+over its example network with `temperature_sample` at temperature 0, partitioned by T5X's
+`standard_logical_axis_rules` under its `PjittedFnWithContext`, and one step of its loop
+(`_compute_logits_from_slice`, its decoder's `tokens_to_logits`), read with
+`benchmarks.compiled` as this project's. Writes 'out' after every block; without T5X, why not.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def block(t5x: Any, spec: Mapping[str, Any], size: str, mesh_shape: Sequence[int
           output_length: int) -> Dict[str, Any]:
   """Memory, loop collectives and compile seconds of T5X's predict; cost of one step."""
   _, _, partitioning, _ = t5x
-  model = t5x_model(t5x, spec['configs'][size])
+  gin = Path(__file__).resolve().parents[1] / f'gin_configs/models/t5_1_1/{size}.gin'
+  model = t5x_model(t5x, spec.get('configs', {}).get(size) or xla.config_values(gin))
   shapes = {'encoder_input_tokens': (batch, spec['input_length']),
             'decoder_input_tokens': (batch, output_length)}
   variables = jax.eval_shape(lambda: model.get_initial_variables(

@@ -2,32 +2,22 @@
 
   python -m benchmarks.vs_ctranslate2 --sentences 1:64,8:192,32:320 --gammas 2,4 --rounds 3
 
-Needs CTranslate2, transformers and torch for its T5 converter, and sacrebleu (`pip install -e
-'.[bench]'`); without them the command stops with one line, before anything is compiled.
+Needs CTranslate2, transformers and torch (its T5 converter) and sacrebleu (`pip install -e
+'.[bench]'`); without them it stops with one line before anything is compiled. The embedded
+target is exported as a Hugging Face folder (`hf.save_hf_t5`) and converted by CTranslate2 with
+float32 and int8 weights in a process of its own (torch never enters the timed ones), given the
+project's SentencePiece pieces: both engines see the same input ids and their outputs are
+compared as ids. Ours: target-only greedy, greedy speculative at each --gammas, beam search
+(--beam, brevity penalty 0.6), on the harness's batches. CTranslate2's (a spawned process,
+inter_threads=1, intra_threads=--ct2_threads): greedy and beam search (length_penalty 0.6, the
+same normalisation) per compute type, the same sentences in the same groups.
 
-The embedded target is exported as a Hugging Face folder (`hf.save_hf_t5`) and converted by
-CTranslate2's `TransformersConverter` twice, with float32 and with int8 weights (run with the
-compute_type of the same name), in a separate process (torch never enters the timed ones). The
-converter is given the project's SentencePiece pieces as its vocabulary: both engines see the
-same input ids (`data.encode`, EOS appended, at most 64) and their outputs are compared as ids.
-
-This project's side (this process, XLA): target-only greedy, greedy speculative decoding at each
---gammas value, target-only beam search (--beam, brevity penalty alpha 0.6), on the harness's
-fixed-shape batches. CTranslate2's side (a spawned process, `inter_threads=1`,
-`intra_threads=--ct2_threads`): greedy (beam_size 1) and beam search (--beam, length_penalty 0.6:
-the same GNMT normalisation ((5 + length) / 6) ** alpha) for each compute type, output length 64
-(EOS included), on the same sentences in the same groups, each batch padded to its longest row.
-
-Timing: after one untimed pass of everything (the outputs compared), each round runs one engine's
-passes round-robin (`policy.round_robin`, pieces of --piece_batches batches), then the other's,
-the first engine alternating between rounds; while one engine is timed the other's process waits
-on a pipe, so that their threads never share the cores. Each speedup is the median over rounds
-of our target-only greedy pass time over the configuration's in the same round (and over our
-pass of the same search). Per batch size also: rows per target call against the machine's
-crossover from weight-bandwidth-bound to arithmetic-bound (`harness.probe_machine`), and the
-fraction of sentences whose CTranslate2 ids equal ours (greedy vs our target-only greedy, beam
-best vs our beam best).
-
+Each round runs one engine's passes round-robin, then the other's, the first alternating
+between rounds; while one engine is timed the other waits on a pipe, so that their threads
+never share the cores. Speedups: the median over rounds of our target-only greedy pass time
+(and our pass of the same search) over the configuration's in the same round. Per batch size
+also the fraction of sentences whose ids equal ours, and rows per target call against the
+machine's crossover from weight-bandwidth-bound to arithmetic-bound (`harness.probe_machine`).
 Writes vs_ctranslate2.json (after every batch size) and vs_ctranslate2.md.
 """
 
@@ -42,6 +32,7 @@ import multiprocessing
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
@@ -51,7 +42,6 @@ from benchmarks import harness
 from benchmarks.harness import Setting
 from speculative_t5x import data
 from speculative_t5x import hf
-from speculative_t5x import network
 from speculative_t5x import pipeline
 from speculative_t5x import policy
 
@@ -75,26 +65,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-# ------------------------------------------------------------------------------------------------
-# Export and conversion.
-
-
-class PieceTokenizer:
-  """What CTranslate2's T5 converter reads from a tokenizer: the project's SentencePiece pieces
-  in id order, so that a piece names the same id in both engines."""
-
-  def __init__(self, pieces: Sequence[str]):
-    self.pieces = list(pieces)
-    self.pad_token, self.eos_token, self.unk_token = (
-        self.pieces[i] for i in (data.PAD_ID, data.EOS_ID, data.UNK_ID))
-
-  def get_vocab(self) -> Dict[str, int]:
-    return {piece: i for i, piece in enumerate(self.pieces)}
-
-  def convert_ids_to_tokens(self, i: int) -> str:
-    return self.pieces[i]
-
-
 def convert_models(hf_dir: str, outputs: Mapping[str, str], pieces: Sequence[str]) -> None:
   """Converts the Hugging Face folder to CTranslate2 once per {quantization: output folder}.
   Runs in a process of its own (it imports torch and transformers)."""
@@ -102,8 +72,12 @@ def convert_models(hf_dir: str, outputs: Mapping[str, str], pieces: Sequence[str
   converter = ctranslate2.converters.TransformersConverter(hf_dir)
   # The folder has no tokenizer files: the converter's AutoTokenizer would then build a stock
   # T5 tokenizer (104 tokens, none of them ours) and pad it to vocab_size with '<extra_id_N>',
-  # 100 of them twice, without a word. Hand it the project's pieces instead.
-  tokenizer = PieceTokenizer(pieces)
+  # 100 of them twice, without a word. Hand it what it reads of one: the project's pieces in id
+  # order, so that a piece names the same id in both engines.
+  tokenizer = types.SimpleNamespace(
+      pad_token=pieces[data.PAD_ID], eos_token=pieces[data.EOS_ID], unk_token=pieces[data.UNK_ID],
+      get_vocab=lambda: {piece: i for i, piece in enumerate(pieces)},
+      convert_ids_to_tokens=lambda i: pieces[i])
   converter.load_tokenizer = lambda *args, **kwargs: tokenizer
   for quantization, output in outputs.items():
     converter.convert(output, quantization=quantization, force=True)
@@ -129,20 +103,12 @@ def export_and_convert(pair: pipeline.Pair, folder: Path) -> Dict[str, Any]:
   return {'dirs': dirs, 'tokens': tokens}
 
 
-# ------------------------------------------------------------------------------------------------
-# The CTranslate2 process.
-
-
 def ct2_options(beam: int) -> Dict[str, Any]:
   """translate_batch's options for greedy (beam 1) or beam search as this project decodes."""
   return dict(beam_size=beam, length_penalty=harness.BEAM_ALPHA,
               max_decoding_length=harness.OUTPUT_LENGTH, return_end_token=True,
               min_decoding_length=0,  # ours may end at the first position too
               max_input_length=0)  # the inputs were truncated as ours were (data.encode)
-
-
-def ct2_name(beam: int, compute_type: str) -> str:
-  return f"CTranslate2 {'greedy' if beam == 1 else f'beam={beam}'} {compute_type}"
 
 
 def ct2_passes(translators: Mapping[str, Any], beams: Sequence[int],
@@ -155,7 +121,8 @@ def ct2_passes(translators: Mapping[str, Any], beams: Sequence[int],
       yield [translator.translate_batch(b, **options)
              for b in batches[start:start + piece_batches]]
 
-  return {ct2_name(beam, ct): functools.partial(pieces, translator, ct2_options(beam))
+  return {f"CTranslate2 {'greedy' if beam == 1 else f'beam={beam}'} {ct}":
+          functools.partial(pieces, translator, ct2_options(beam))
           for beam in beams for ct, translator in translators.items()}
 
 
@@ -212,10 +179,6 @@ class CTranslate2Process:
     self.process.join(30)
     if self.process.is_alive():
       self.process.terminate()
-
-
-# ------------------------------------------------------------------------------------------------
-# One batch size.
 
 
 def as_rows(ids: Sequence[Sequence[int]]) -> np.ndarray:
@@ -315,17 +278,6 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], theirs: CTrans
           'identity': {r['name']: r['same_ids'] for r in rows if r['engine'] == 'ctranslate2'}}
 
 
-# ------------------------------------------------------------------------------------------------
-# Reporting.
-
-
-def crossover_rows(config: network.T5Config, probes: Mapping[str, Any]) -> float:
-  """Rows per target call where a float32 decoder step's arithmetic (at the measured matmul
-  rate) starts to take longer than streaming its weights (at the measured bandwidth)."""
-  per_row = harness.compute_floor_ms(config, 1, 1, probes['matmul_gflops'])
-  return probes['weight_streaming_floor_ms']['target'] / per_row
-
-
 def block_markdown(batch_size: str, block: Mapping[str, Any]) -> List[str]:
   lines = [f"## Batch {batch_size} ({block['sentences']} sentences)", '',
            'Sentences whose CTranslate2 ids equal ours (greedy: our target-only greedy; beam: '
@@ -360,9 +312,6 @@ def markdown(results: Mapping[str, Any]) -> str:
   return '\n'.join(lines)
 
 
-# ------------------------------------------------------------------------------------------------
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   args = parse_args(argv)
   sizes = harness.parse_sentences(args.sentences)
@@ -372,10 +321,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   sources, references = harness.test_split(args.data_dir)
   pair = harness.load_pair()
   probes = harness.probe_machine(pair)
+  # Rows per target call where a float32 step's arithmetic (at the measured matmul rate) starts
+  # to take longer than streaming its weights (at the measured bandwidth).
+  crossover = probes['weight_streaming_floor_ms']['target'] / harness.compute_floor_ms(
+      pair.target_config, 1, 1, probes['matmul_gflops'])
   results = {'meta': harness.meta(
       NAME, argv, args, ctranslate2=importlib.metadata.version('ctranslate2'),
       ct2_threads=args.ct2_threads, beam=args.beam, beam_alpha=harness.BEAM_ALPHA,
-      crossover_rows=crossover_rows(pair.target_config, probes), **probes), 'batches': {}}
+      crossover_rows=crossover, **probes), 'batches': {}}
   with tempfile.TemporaryDirectory(prefix=f'{NAME}_') as folder:
     models = export_and_convert(pair, Path(folder))
     theirs = CTranslate2Process(models['dirs'], models['tokens'], args.ct2_threads)

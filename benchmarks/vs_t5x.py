@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import scale_t5x
 from benchmarks.harness import Setting
 from speculative_t5x import data
 from speculative_t5x import network
@@ -34,27 +35,18 @@ T5X = 'T5X greedy'
 
 
 def import_t5x() -> Any:
-  """(decoding, models, network) of T5X; exits with one line when T5X is not importable."""
+  """T5X's modules (`scale_t5x.t5x_modules`); exits with one line when T5X is not importable."""
   try:
-    from t5x import decoding as t5x_decoding  # pylint: disable=g-import-not-at-top
-    from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
-    from t5x.examples.t5 import network as t5x_network  # pylint: disable=g-import-not-at-top
+    return scale_t5x.t5x_modules()
   except ImportError as e:
     raise SystemExit(f'error: benchmarks.vs_t5x needs T5X itself ({e}); install it in a venv of '
                      'its own: ../shared/docs/t5x_private_install.md') from None
-  return t5x_decoding, t5x_models, t5x_network
 
 
 def t5x_greedy_pass(t5x: Any, config: network.T5Config, params: Any,
                     batches: Sequence[Mapping[str, Any]]) -> Callable[[], List[Any]]:
   """One pass of T5X's own greedy decoding over `batches`, compiled first for every width."""
-  t5x_decoding, t5x_models, t5x_network = t5x
-  fields = {f.name for f in dataclasses.fields(t5x_network.T5Config)}
-  t5x_config = t5x_network.T5Config(**{k: v for k, v in dataclasses.asdict(config).items()
-                                       if k in fields})
-  model = t5x_models.EncoderDecoderModel(
-      t5x_network.Transformer(t5x_config), None, None, None,
-      decode_fn=functools.partial(t5x_decoding.temperature_sample, temperature=0.0))
+  model = scale_t5x.t5x_model(t5x, dataclasses.asdict(config))
   predict = jax.jit(functools.partial(model.predict_batch_with_aux,
                                       decoder_params={'eos_id': data.EOS_ID}))
   compiled = {}
@@ -111,8 +103,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                         rounds=5).parse_args(argv)
   t5x = import_t5x()
   settings = harness.greedy_settings(args.gammas)
-  return harness.run_blocks(NAME, argv, args, lambda batch_size, sources: batch_block(
-      t5x, settings, batch_size, sources, args), markdown)
+  sources, _ = harness.test_split(args.data_dir)
+  results = {'meta': harness.meta(NAME, argv, args), 'batches': {}}
+  for batch_size, count in harness.parse_sentences(args.sentences).items():
+    results['batches'][str(batch_size)] = batch_block(t5x, settings, batch_size,
+                                                      sources[:count], args)
+    paths = harness.write_results(args, NAME, results, markdown)
+  print('wrote', *paths)
+  return results
 
 
 if __name__ == '__main__':

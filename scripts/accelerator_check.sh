@@ -6,9 +6,10 @@
 # What it installs: this package with the [bench] extra, and JAX for the machine's accelerator
 # (`jax[cuda12]` where nvidia-smi answers, `jax[tpu]` where /dev/accel0 exists; SKIP_INSTALL=1
 # keeps the environment as it is). What it writes: results/<machine>/accelerator.json and .md —
-# the target's and the draft's step times at T5 1.1 large and XL shapes beside their roofline
-# projection, and whole greedy loops (target alone, speculative at gamma 3 and 5) beside the
-# time their steps predict (random weights: nothing is downloaded); then, unless CALIBRATE=0,
+# the target's and the draft's step times at T5 1.1 large and XL shapes beside the bytes XLA
+# says each step accesses (the GB/s that takes, against the chip's HBM bandwidth), and whole
+# greedy loops (target alone, speculative at gamma 3 and 5) beside the time their steps predict
+# (random weights: nothing is downloaded); then, unless CALIBRATE=0,
 # `speculative-t5x-calibrate --check` on the embedded pair at batch 1, 8 and 32: this machine's
 # gamma schedule and the cost model's error on every gamma, in results/<machine>/calibration/
 # (needs the Multi30k test captions: SPECULATIVE_T5X_DATA or ../shared/data). About 15 minutes

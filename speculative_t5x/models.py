@@ -174,7 +174,7 @@ class EncoderDecoderModel:
                             draft_vocabulary: Optional[Any] = None) -> Dict[str, Any]:
     """`params` plus 'decode': each model's `network.decode_variables`, for repeated predicts.
 
-    fuse: with the stacked projections (measured neutral on a 2-core CPU, `benchmarks.engine`,
+    fuse: with the stacked projections (measured neutral on a 2-core CPU, docs/engine.md,
       and they cost a copy of two thirds of the weights: off unless asked for).
     draft_vocabulary: optional token ids the draft may propose (`network.decode_variables`'
       `vocabulary_ids`; outputs stay exact), e.g. `checkpoints.load_draft_vocabulary(path)`.

@@ -60,7 +60,7 @@ class T5Config:
     apart in [4, 8), 1/16 in [8, 16): coarser than a near-tie of the top two). It does not
     make bf16 greedy speculative decoding token-identical to bf16 target-only greedy: the k-token
     verify call and the 1-token calls already round the decoder layers' bf16 activations
-    differently (benchmarks/numerics.py measures both).
+    differently (`benchmarks.speed --dtype bfloat16` measures both).
   encoded_width: 0 for a model with its own encoder. Else a decoder-only model (a draft that
     reads the target's encoder output, so a speculative decode runs one encoder): it has no
     `encoder` parameters (num_encoder_layers must be 0) and its cross-attention key/value
@@ -798,7 +798,7 @@ def decode_variables(config: T5Config, params: Any, fuse: bool = False,
     decoder/layers_i/encoder_decoder_attention/kv_kernel: [emb, 2, heads * head_dim];
     {encoder,decoder}/layers_i/mlp/wi_kernel (gated MLPs, T5 1.1): [emb, 2, mlp] (wi_0, wi_1).
   Fewer matmul kernels reading the same bytes; measured neutral on a 2-core CPU
-  (benchmarks.engine), at the price of a second copy of about two thirds of the weights.
+  (docs/engine.md), at the price of a second copy of about two thirds of the weights.
   """
   stack = lambda tree, names: jnp.stack([tree[n]['kernel'] for n in names], axis=1)
   qkv = ('query', 'key', 'value')

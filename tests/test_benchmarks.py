@@ -17,12 +17,8 @@ from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
 
-from benchmarks import draft_acceptance
 from benchmarks import drafts
-from benchmarks import encoder_width
-from benchmarks import engine
 from benchmarks import harness
-from benchmarks import profile
 from benchmarks import speed
 from benchmarks import verifiers
 from benchmarks import vs_ctranslate2
@@ -92,7 +88,7 @@ def written(out_dir: pathlib.Path, name: str, heading: str) -> Dict[str, Any]:
 
 def test_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   speed.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1,auto',
-                                 '--sampling_gammas', '', '--bild', '', '--no_adaptive', '--no_hf'])
+                                 '--sampling_gammas', '', '--bild', '', '--no_adaptive'])
   results = written(tmp_path, 'speed', 'Speed')
   assert {'c_hat', 'memory_bandwidth_gbs', 'matmul_gflops'} <= set(results['meta'])
   block = results['batches']['1']
@@ -295,13 +291,29 @@ def test_speedups_per_token_count_each_rounds_own_tokens() -> None:
   assert harness.speedups_per_token(times, tokens, 'base')['x']['speedup_summed_low'] == summed[1]
 
 
-def test_drafts(tmp_path: pathlib.Path, data_args: List[str]) -> None:
-  drafts.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1',
-                                  '--sampling_gammas', '', '--bleu_sentences', '4'])
+def test_drafts_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  drafts.main(data_args + ['--out_dir', str(tmp_path), '--gammas', '1,2', '--temperatures', '0',
+                           '--sweep_temperature', '0', '--longest', '2', '--max_sentences', '4',
+                           '--batch_size', '4', '--bleu_sentences', '4'])
   results = written(tmp_path, 'drafts', 'Draft models compared')
   assert {'path', 'params', 'c_hat', 'bleu_alone'} <= set(results['drafts']['shipped'])
+  rows = results['acceptance']['shipped']
+  # The gamma sweep on the test split at the sweep temperature, the largest gamma elsewhere.
+  assert [(r['split'], r['gamma']) for r in rows] == [
+      ('test', 1), ('test', 2), ('validation', 2), ('test, 2 longest inputs', 2)]
+  assert all(0.0 < r['alpha'] <= 1.0 and r['sentences'] > 0 for r in rows)
+  assert not results['batches']
+  assert '| shipped | test (4) | 0 |' in (tmp_path / 'drafts.md').read_text()
+
+
+def test_drafts_speed(tmp_path: pathlib.Path, data_args: List[str]) -> None:
+  drafts.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1',
+                                  '--sampling_gammas', '', '--temperatures', '',
+                                  '--bleu_sentences', '4'])
+  results = written(tmp_path, 'drafts', 'Draft models compared')
+  assert not results['acceptance']
   rows = {r['name']: r for r in results['batches']['1']['rows']}
-  assert rows['speculative gamma=1 T=0']['draft'] == 'shipped'
+  assert {r['draft'] for r in rows.values()} == {'shipped'}
   assert rows['speculative gamma=1 T=0']['same_as_baseline'] == 1.0
   assert {'alpha', 'c', 'speedup'} <= set(rows['speculative gamma=1 T=0'])
 
@@ -321,54 +333,12 @@ def test_vs_t5x(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert rows['target-only T=0']['same_as_t5x'] == rows['speculative gamma=1 T=0']['same_as_t5x']
 
 
-def test_profile(tmp_path: pathlib.Path, data_args: List[str],
-                 monkeypatch: pytest.MonkeyPatch) -> None:
-  # The overhead part's T5-small-sized model takes ~30 s to compile here; a tiny one runs the
-  # same code.
-  monkeypatch.setattr(profile, 'OVERHEAD_CONFIG', conftest.tiny_config(vocab_size=128))
-  profile.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1', '--steps', '1,2',
-                                   '--trace_steps', '1'])
-  results = written(tmp_path, 'profile', 'Where decode time goes')
-  assert set(results['steps']['batches']['1']['target_ms']) == {'1', '2'}
-  assert len(results['kernels']) == 3 and all(t['by_kind'] for t in results['kernels'].values())
-  assert {'baseline', 'speculative_gamma4', 'speedup'} <= set(results['overhead']['loop']['1'])
-  names = [r['name'] for r in results['iteration']['1']['rows']]
-  assert names == ['target-only T=0', 'speculative gamma=1 T=0']
-
-
-def test_encoder_width(tmp_path: pathlib.Path, data_args: List[str]) -> None:
-  encoder_width.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1'])
-  block = written(tmp_path, 'encoder_width', 'Encoder width')['batches']['1']
-  assert block['identical_outputs']
-  assert [r['decoder'] for r in block['rounded_over_64']] == ['target-only T=0',
-                                                              'speculative gamma=1 T=0']
-  assert len(block['ms_per_sentence']) == 4
-
-
-def test_engine(tmp_path: pathlib.Path, data_args: List[str],
-                small_pair: pipeline.Pair) -> None:
-  engine.main(TINY + data_args + ['--out_dir', str(tmp_path), '--gammas', '1'])
-  block = written(tmp_path, 'engine', 'The engine')['batches']['1']
-  assert block['identical_outputs']
-  rows = {r['layout']: r for r in block['rows']}
-  assert list(rows) == ['separate', 'draft vocabulary', 'stacked']
-  # Stacking removes two matmuls per decoder layer from a 1-token target step (q/k/v: 3 -> 1;
-  # a gated MLP: wi_0/wi_1 2 -> 1, so three in all).
-  layers = small_pair.target_config.num_decoder_layers
-  dots = {name: r['kernels']['target k=1']['dot'] for name, r in rows.items()}
-  assert dots['separate'] - dots['stacked'] >= 2 * layers, dots
-  assert set(block['over_separate']['target k=1']) == {'draft vocabulary', 'stacked'}
-  assert {'encoders', 'target-only T=0', 'speculative gamma=1 T=0'} <= set(block['over_separate'])
-
-
 def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   # One sampling setting and no speed part (its timing is benchmarks.speed's batch_block,
   # test_speed's): each setting is a compile of the real pair's loop.
   verifiers.main(data_args + ['--out_dir', str(tmp_path), '--count_sentences', '4',
                               '--count_batch', '4', '--gammas', '1', '--trees', '2',
-                              '--sampling', '1:0', '--greedy_sentences', '6',
-                              '--greedy_gammas', '2', '--greedy_trees', '2,1',
-                              '--speed_gammas', '', '--speed_trees', ''])
+                              '--sampling', '1:0', '--speed_gammas', '', '--speed_trees', ''])
   results = written(tmp_path, 'verifiers', 'Verifiers')
   names = [r['name'] for r in results['acceptance']]
   assert names == ['speculative gamma=1 token T=1', 'speculative gamma=1 block T=1',
@@ -376,43 +346,15 @@ def test_verifiers(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   assert all(r['tokens_per_call'] >= 1.0 for r in results['acceptance'])
   assert not results['batches']
   assert '| T=1 | (2) | 1 | 3 |' in (tmp_path / 'verifiers.md').read_text()
-  # Greedy rows of the sampled loops are the target's greedy output.
-  assert [(r['name'], r['temperature_path'], r['identical']) for r in results['greedy']] == [
-      ('speculative gamma=2 block T=0', 'operand', 1.0), ('tree (2,1) T=0', 'operand', 1.0),
-      ('tree (2,1) T=0', 'static', 1.0)]
 
 
-def test_verifiers_verdict_costs() -> None:
-  rows = verifiers.verdict_costs([2], [2, 3], vocab=64, rounds=1, bytes_vocab=128)
-  assert [(r['batch'], r['gamma']) for r in rows] == [(2, 2), (2, 3)]
-  assert all(r['token_ms'] > 0 and r['block_ms'] > 0 and
-             r['block_extra_ms'] == r['block_ms'] - r['token_ms'] for r in rows)
-  # Block reads every position's distributions where token verification reads one position's.
-  assert all(r['block_bytes'] > r['token_bytes'] > 2 * 4 * 128 * r['gamma'] for r in rows)
-  speed_row = {'verification': 'token', 'gamma': 2, 'ms_per_call': 4.0}
-  table = verifiers.verdict_table({'meta': {'vocab': 64, 'rounds': 1}, 'verdicts': rows,
-                                   'batches': {'2': {'rows': [speed_row]}}})
-  assert f"{rows[0]['block_extra_ms'] / 4.0:.2%}" in table[4]  # its share of a target call
-
-
-def test_verifiers_speed_part_sets_every_flag_batch_block_reads() -> None:
-  # The speed part hands its own flags to benchmarks.speed.batch_block: a flag added there and
-  # not here fails only after the acceptance grid has run for hours.
+def test_speed_parts_set_every_flag_batch_block_reads() -> None:
+  # verifiers and drafts hand their own flags to benchmarks.speed.batch_block: a flag added
+  # there and not in theirs fails only after their counting part has run for hours.
   read = set(re.findall(r'\bargs\.(\w+)', inspect.getsource(speed.batch_block)))
-  args = verifiers.parse_args(['--sentences', '1:2'])
-  assert read and not [name for name in sorted(read) if not hasattr(args, name)]
-
-
-def test_draft_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
-  draft_acceptance.main(data_args + ['--out_dir', str(tmp_path), '--gammas', '1,2',
-                                     '--temperatures', '0', '--sweep_temperature', '0',
-                                     '--longest', '2',
-                                     '--max_sentences', '4', '--batch_size', '4'])
-  results = written(tmp_path, 'draft_acceptance', 'Draft acceptance')
-  rows = results['drafts']['shipped']['rows']
-  assert [(r['split'], r['gamma']) for r in rows] == [
-      ('test', 1), ('test', 2), ('validation', 2), ('test, 2 longest inputs', 2)]
-  assert all(0.0 < r['alpha'] <= 1.0 for r in rows)
+  for args in (verifiers.parse_args(['--sentences', '1:2']),
+               drafts.parse_args(['--sentences', '1:2'])):
+    assert read and not [name for name in sorted(read) if not hasattr(args, name)]
 
 
 def test_vs_ctranslate2(tmp_path: pathlib.Path, data_args: List[str],

@@ -169,7 +169,7 @@ def test_hf_export_of_target(pair, sentences, target_greedy):
   np.testing.assert_allclose(logits[upto_eos], theirs[upto_eos], atol=1e-4 * scale, rtol=0)
 
   # transformers 5.x sizes generate()'s own decoder cache by num_layers (the encoder's 5) and
-  # fails on this 6-layer decoder; a lazily grown cache works (as benchmarks/speed.py does).
+  # fails on this 6-layer decoder; a lazily grown cache works.
   from transformers import cache_utils  # pylint: disable=g-import-not-at-top
   # HF's assistant is a whole T5: the separate draft (the default one reads the target's encoder).
   with pytest.raises(ValueError, match='no Hugging Face T5 form'):

@@ -1,13 +1,13 @@
-"""XLA:TPU-compiled programs without a TPU (`speculative_t5x.aot`, `benchmarks.tpu`, the
-compile-only calibration): the tiny pair and the embedded pair compiled for a v5e topology when
-libtpu is installed; the figures derived from estimates, and one-line errors, always."""
+"""XLA:TPU-compiled programs without a TPU (`speculative_t5x.aot`, `benchmarks.scale --platform
+tpu`, the compile-only calibration): the tiny pair and the embedded pair compiled for a v5e
+topology when libtpu is installed; the figures derived from estimates, and one-line errors,
+always."""
 
 import importlib.util
 
 import pytest
 
 from benchmarks import scale
-from benchmarks import tpu
 from speculative_t5x import aot
 from speculative_t5x import calibrate
 from speculative_t5x import costs
@@ -36,7 +36,7 @@ def _block():
 
 def test_loop_figures_and_predicted_speedup_from_estimates():
   b = _block()
-  f = tpu.loop_figures(b, 'small', 'greedy')
+  f = scale.loop_figures(b, 'small', 'greedy')
   assert f['c optimal_seconds'] == pytest.approx(0.05) and f['c cycles'] == pytest.approx(0.06)
   assert f['verify optimal_seconds'] == pytest.approx(1.05)
   assert f['speculative_overhead'] == pytest.approx(0.13)
@@ -44,9 +44,10 @@ def test_loop_figures_and_predicted_speedup_from_estimates():
   assert f['speculative_ops'] == 30 - 12 - 2 * 4 and f['target_only_ops'] == 5
   assert f['speculative_mb'] == pytest.approx(5.0 - 3.0)
   tokens = (1 - 0.75 ** 3) / 0.25
-  assert tpu.predicted(b, 'small', 'greedy', 0.75, 'optimal_seconds') == (
+  assert scale.predicted(b, 'small', 'greedy', 0.75, 'optimal_seconds') == (
       2, pytest.approx(tokens * 104 / 125))
-  assert tpu.predicted(b, 'small', 't1', 0.75, 'cycles') == (2, pytest.approx(tokens * 1040 / 1300))
+  assert scale.predicted(b, 'small', 't1', 0.75, 'cycles') == (
+      2, pytest.approx(tokens * 1040 / 1300))
 
 
 def test_an_unknown_topology_is_one_line():
@@ -125,5 +126,5 @@ def test_a_program_that_does_not_fit_is_one_line():
   results = {'meta': {'command': 'c', 'machine': 'm', 'libtpu': 'x', 'input_length': 512,
                       'output_length': 128, 'param_dtype': 'bfloat16', 'gamma': 4},
              'blocks': {'v4:1x1x1 xxl 1x2 b32': {'does_not_fit': message[20:]}}}
-  text = tpu.markdown(results)
+  text = scale.markdown(results)
   assert '| v4:1x1x1 xxl 1x2 b32 |  | does not fit: Ran out of memory' in text
