@@ -72,9 +72,14 @@ class Setting(NamedTuple):
   branching: str = ''            # tree, speculative_beam: the token tree's children per depth
   topp: float = 0.0              # baseline and speculative: nucleus sampling
   verification: str = 'auto'     # speculative: 'token', 'block' or 'auto' (what users get)
+  policy: str = ''               # 'auto' under another policy.py than the package's (its label)
 
   @property
   def name(self) -> str:
+    return self._name + (f' ({self.policy})' if self.policy else '')
+
+  @property
+  def _name(self) -> str:
     sampling = f'T={self.temperature:g}' + (f' top-p={self.topp:g}' if self.topp else '')
     if self.method == 'baseline':
       return f'target-only {sampling}'
@@ -308,18 +313,19 @@ def compile_setting(setting: Setting, pair: pipeline.Pair, batches: List[Batch],
                     decode_overrides: Optional[Mapping[str, Any]] = None,
                     eos_id: Optional[int] = None, seed: int = 0,
                     calibration: Optional[costs.Calibration] = None,
-                    sampled_passes: int = 1) -> Compiled:
+                    sampled_passes: int = 1, policy_module: Any = policy) -> Compiled:
   """`setting` on `pair`, compiled for every (choice, encoder width) `batches` need (under
   'auto' every choice `policy.plan` gives). decode_overrides: extra decode_fn arguments;
   eos_id: replaces the vocabulary's (-1: no row stops early); calibration: where 'auto' starts
-  (`policy.plan`); sampled_passes: how many passes draw their own samples (`pass_keys`)."""
+  (`policy.plan`); sampled_passes: how many passes draw their own samples (`pass_keys`);
+  policy_module: the module whose `plan` makes the policy (another policy.py, to compare)."""
   decode_fn, kwargs = setting.decoder()
   kwargs = {**kwargs, **(decode_overrides or {})}
   model = pair.model(decode_fn, kwargs)
   if eos_id is not None:
     model = copy.copy(model)
     model.eos_id = model.draft_eos_id = eos_id
-  decoding_policy, decoders = policy.plan(
+  decoding_policy, decoders = policy_module.plan(
       model, kwargs, calibration=calibration,
       batch_size=len(batches[0]['encoder_input_tokens']) if batches else None,
       num_decodes=max(setting.beam, 1))

@@ -29,12 +29,16 @@ efficiency = measured / predicted, a step-cost prediction that charges the verif
 measured (gamma+1)-token cost, and Theorem 3.11's extra arithmetic per token with c_hat the
 FLOPs ratio; beam rows: beam steps and tree nodes per target call. Per batch size also the
 cached target step by tokens per row against the weight-streaming and compute floors. Writes
-speed.json (after every batch size) and speed.md.
+speed.json (after every batch size) and speed.md. --baseline_policy FILE runs every 'auto' row
+again under the policy in FILE, in the same rounds: a policy change, before and after.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
+import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks import harness
@@ -91,6 +95,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
                  help="a calibration.json of speculative-t5x-calibrate: gamma='auto' rows at its "
                       "temperature start at its schedule and follow its model (made with "
                       "--beam_size: branching='auto' rows of that beam size start where it says)")
+  p.add_argument('--baseline_policy', default=None, metavar='FILE',
+                 help="another policy.py (e.g. an older one from git): every 'auto' row runs "
+                      'under it too, in the same rounds')
   p.add_argument('--dtype', default=None, choices=('float32', 'bfloat16'),
                  help='parameters and activations (default: as stored, float32)')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))
@@ -113,7 +120,22 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
                   bild, args.adaptive, beams)
   if not settings:
     raise SystemExit('error: nothing to run (no gammas, BiLD pairs or beams)')
+  if args.baseline_policy:
+    args.baseline_policy = load_policy(args.baseline_policy)
+    settings += [s._replace(policy='baseline policy') for s in settings
+                 if policy.AUTO in (s.gamma, s.branching)]
   return args, settings
+
+
+def load_policy(path: str) -> Any:
+  """The policy module in the file `path` (its `plan` and `DecodingPolicy`)."""
+  spec = importlib.util.spec_from_file_location('baseline_policy', path)
+  if spec is None or not Path(path).is_file():
+    raise SystemExit(f'error: --baseline_policy: no such file {path}')
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
 
 
 def step_probes(pair: pipeline.Pair, batch_size: int, settings: Sequence[Setting]
@@ -141,8 +163,9 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   steps = step_probes(pair, batch_size, settings)
   compiled = {}
   for s in settings:
-    compiled[s] = harness.compile_setting(s, pair, batches, calibration=calibration,
-                                          sampled_passes=args.rounds + 1)
+    compiled[s] = harness.compile_setting(
+        s, pair, batches, calibration=calibration, sampled_passes=args.rounds + 1,
+        policy_module=args.baseline_policy if s.policy else policy)
     print(f"batch {batch_size} {s.name}: compiled in {compiled[s].info()['compile_s']:.1f}s",
           flush=True)
   passes = {s: functools.partial(c.pieces, args.piece_batches) for s, c in compiled.items()}
