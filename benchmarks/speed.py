@@ -165,7 +165,7 @@ def batch_block(pair: pipeline.Pair, settings: Sequence[Setting], batch_size: in
   for s in settings:
     compiled[s] = harness.compile_setting(
         s, pair, batches, calibration=calibration, sampled_passes=args.rounds + 1,
-        policy_module=args.baseline_policy if s.policy else policy)
+        policy_module=getattr(args, 'baseline_policy', None) if s.policy else policy)
     print(f"batch {batch_size} {s.name}: compiled in {compiled[s].info()['compile_s']:.1f}s",
           flush=True)
   passes = {s: functools.partial(c.pieces, args.piece_batches) for s, c in compiled.items()}
