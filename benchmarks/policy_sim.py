@@ -6,7 +6,7 @@ A `policy.DecodingPolicy` (with its injectable clock) decodes a stream of simula
 (`DecodingPolicy.stream`, on a simulated device that runs them in dispatch order): each
 batch's output positions are the longest of its sentences (output lengths of the first
 test_2016_flickr references, tokens and EOS, in file order, `LENGTHS`), and its time under a
-choice is a cost model, per batch size and decoder, calibrated on results/cpu/policy.md:
+choice is a cost model, per batch size and decoder, calibrated on speed runs (`SCENARIOS`):
 
   ms = (fixed + per_position[choice] * positions) * machine[batch] * noise[batch, choice]
 
@@ -24,6 +24,14 @@ benchmarks.speed times 'auto') and on the later passes (a long job's later batch
 measurements carried over), relative to the best fixed choice and to the plain decoder (> 1:
 the policy is faster), and the batches it ran per choice. Deterministic for a seed. Writes
 runs/<machine>/policy_sim.json and .md (`--out_dir`).
+
+  python -m benchmarks.policy_sim --seeds 30 --baseline_policy /tmp/policy_before.py
+
+also simulates the `DecodingPolicy` (and `fallback_gamma`) of another policy.py, e.g. `git show
+HEAD:speculative_t5x/policy.py > /tmp/policy_before.py`, on the same draws, and puts both in one
+table. --model_error E gives each job a calibration's model instead (policy_sim_calibrated): the
+cost model's own per-position costs, each choice's off by a uniform draw within +-E (per seed),
+checked to E, its first batch the model's pick, as `policy.plan` does with a calibration.
 """
 
 from __future__ import annotations
@@ -31,11 +39,15 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
+import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import speed
+from speculative_t5x import costs
 from speculative_t5x import policy
 
 NAME = 'policy_sim'
@@ -59,6 +71,7 @@ class Scenario:
 
   speedups: each choice's mean speedup over choices[0] (the plain decoder), measured or (for
     choices the benchmark did not time alone) read off the policy's per-choice measurements.
+  fallback: the first batch's choice; None: the policy module's (`first_choice`).
   batch_ms: the plain decoder's mean ms per batch; fixed_share: its per-batch fixed part.
   noise: log-normal sigma per batch; speculative_noise: added for the other choices.
   """
@@ -66,9 +79,9 @@ class Scenario:
   batch_size: int
   decoder: str
   choices: Tuple[Any, ...]
-  fallback: Any
   speedups: Tuple[float, ...]
   batch_ms: float
+  fallback: Any = None
   fixed_share: float = 0.15
   noise: float = 0.08
   speculative_noise: float = 0.0
@@ -80,22 +93,21 @@ class Scenario:
 
 def _gammas(pair: str, batch_size: int, decoder: str, speedups: Sequence[float],
             batch_ms: float, noise: float, speculative_noise: float) -> Scenario:
-  fallback = policy.fallback_gamma(0.0 if decoder == 'greedy' else 1.0, batch_size)
-  return Scenario(pair, batch_size, decoder, GAMMAS, fallback, tuple(speedups), batch_ms,
-                  noise=noise, speculative_noise=speculative_noise)
+  return Scenario(pair, batch_size, decoder, GAMMAS, tuple(speedups), batch_ms, noise=noise,
+                  speculative_noise=speculative_noise)
 
 
 def _trees(pair: str, batch_size: int, speedups: Sequence[float], batch_ms: float,
            noise: float) -> Scenario:
-  return Scenario(pair, batch_size, 'beam 4', policy.TREES, policy.FALLBACK_TREE,
-                  tuple(speedups), batch_ms, noise=noise)
+  return Scenario(pair, batch_size, 'beam 4', policy.TREES, tuple(speedups), batch_ms,
+                  noise=noise)
 
 
 # Each pair's scenarios are calibrated on its speed run (192 captions, 2-core CPU): fixed
 # choices' speedups where measured, the others ordered as the policy's per-choice measurements
 # there. The embedded pair (its decoder-only draft): results/cpu/policy_decoder_only_draft.md
 # and policy_sampling_decoder_only_draft.md; the separate draft (the embedded draft before it):
-# results/cpu/policy.md. Noise: at batch 1, 96 captions timed one by one on the shared CPU,
+# results/cpu/policy.md (all three in git history, before 899eaf9). Noise: at batch 1, 96 captions timed one by one on the shared CPU,
 # gamma 0, 1 and 4 interleaved, left a log-normal sigma around a fixed + per-position fit of
 # 0.10 (greedy target alone) to 0.17 (gamma 4), 0.15 to 0.27 at T=1 (sampled lengths differ
 # between choices too), and a fixed part of about 1.5-2.5 ms; larger batches average over more
@@ -137,13 +149,8 @@ def batch_positions(batch_size: int, sentences: int, lengths: Sequence[int] = LE
 def batch_times(scenario: Scenario, positions: np.ndarray, rng: np.random.Generator
                 ) -> np.ndarray:
   """ms of every batch under every choice [batches, choices] (module docstring: the model)."""
-  mean_positions = positions.mean()
-  fixed = scenario.fixed_share * scenario.batch_ms
-  plain_per_position = (scenario.batch_ms - fixed) / mean_positions
   # A choice's per-position cost such that its mean batch time is the plain one's / speedup.
-  per_position = np.array([(scenario.batch_ms / s - fixed) / mean_positions
-                           for s in scenario.speedups])
-  per_position[0] = plain_per_position
+  fixed, per_position = _costs(scenario, positions.mean())
   ideal = fixed + positions[:, None] * per_position[None, :]
   sigma = np.full(len(scenario.choices), scenario.noise + scenario.speculative_noise)
   sigma[0] = scenario.noise
@@ -191,20 +198,79 @@ class _Done:
     return self
 
 
-def make_policy(scenario: Scenario, clock: Callable[[], float]) -> policy.DecodingPolicy:
-  """The policy `policy.plan` makes for the scenario's decoder, on the simulated clock."""
-  return policy.DecodingPolicy(scenario.choices, 'sim', scenario.fallback, clock=clock)
+def first_choice(scenario: Scenario, module: types.ModuleType = policy) -> Any:
+  """The first batch's choice without a calibration: the scenario's, else the policy module's
+  (`fallback_gamma`; beam_search itself for the trees)."""
+  if scenario.fallback is not None:
+    return scenario.fallback
+  if scenario.decoder.startswith('beam'):
+    return scenario.choices[0]
+  return module.fallback_gamma(0.0 if scenario.decoder == 'greedy' else 1.0, scenario.batch_size)
+
+
+def _costs(scenario: Scenario, mean_positions: float) -> Tuple[float, np.ndarray]:
+  """(fixed ms per batch, ms per output position of each choice): the cost model's."""
+  fixed = scenario.fixed_share * scenario.batch_ms
+  per_position = np.array([(scenario.batch_ms / s - fixed) / mean_positions
+                           for s in scenario.speedups])
+  return fixed, per_position
+
+
+@dataclasses.dataclass(frozen=True)
+class SimModel:
+  """A calibration's model of a scenario, as the policy reads a `costs.StepCosts`: each
+  choice's ms per position (a batch's fixed part over its positions included)."""
+  per_position: Mapping[Any, float]
+  fixed_ms: float
+  positions: float
+  lifts: Mapping[Any, float] = dataclasses.field(default_factory=dict)
+
+  def prices(self, choice: Any) -> bool:
+    return choice in self.per_position
+
+  def ms_per_position(self, choice: Any, alpha: float, positions: float = 0.0,
+                      lengths: Optional[Any] = None) -> float:
+    del alpha  # (the simulated decoders count no acceptance)
+    if lengths is not None:
+      positions = float(np.atleast_2d(lengths).max(axis=1).mean())
+    return self.per_position[choice] + self.fixed_ms / (positions or self.positions)
+
+
+def sim_model(scenario: Scenario, model_error: float, seed: int, sentences: int = 192
+              ) -> SimModel:
+  """The scenario's cost model with each choice's per-position cost off by a uniform draw
+  within +-model_error (a draw per seed, apart from the job's)."""
+  positions = float(batch_positions(scenario.batch_size, sentences).mean())
+  fixed, per_position = _costs(scenario, positions)
+  errors = np.random.default_rng([seed, 1]).uniform(-model_error, model_error, len(per_position))
+  return SimModel(dict(zip(scenario.choices, per_position * (1 + errors))), fixed, positions)
+
+
+def make_policy(scenario: Scenario, clock: Callable[[], float], seed: int = 0,
+                module: types.ModuleType = policy, model_error: Optional[float] = None) -> Any:
+  """The policy `policy.plan` makes for the scenario's decoder (`module`'s DecodingPolicy), on
+  the simulated clock; with model_error, calibrated (`sim_model`): its first batch the model's
+  pick, as a calibration's schedule has it."""
+  if model_error is None:
+    return module.DecodingPolicy(scenario.choices, 'sim', first_choice(scenario, module),
+                                 clock=clock)
+  model = sim_model(scenario, model_error, seed)
+  start = costs.cheapest(scenario.choices, lambda c: model.ms_per_position(c, 0.5))
+  return module.DecodingPolicy(scenario.choices, 'sim', start, clock=clock, model=model,
+                               prior_alpha=0.5, model_error=model_error)
+
+
+PolicyMaker = Callable[[Scenario, Callable[[], float], int], Any]
 
 
 def simulate(scenario: Scenario, seed: int, sentences: int = 192, passes: int = 4,
-             new_policy: Callable[[Scenario, Callable[[], float]], Any] = make_policy
-             ) -> List[Dict[str, Any]]:
+             new_policy: PolicyMaker = make_policy) -> List[Dict[str, Any]]:
   """One simulated job of `passes` passes over `sentences` sentences with one policy; per pass:
   the policy's seconds, every fixed choice's seconds on the same draws, batches per choice."""
   rng = np.random.default_rng(seed)
   positions = batch_positions(scenario.batch_size, sentences)
   device = Device()
-  decoding_policy = new_policy(scenario, device)
+  decoding_policy = new_policy(scenario, device, seed)
   index = {c: i for i, c in enumerate(scenario.choices)}
   decodes = {int(n): np.ones((1, n), np.int32) for n in set(positions)}
   out = []
@@ -230,8 +296,7 @@ def _ratios(passes: Sequence[Mapping[str, Any]]) -> Tuple[float, float]:
 
 
 def evaluate(scenario: Scenario, seeds: Sequence[int], sentences: int = 192, passes: int = 4,
-             new_policy: Callable[[Scenario, Callable[[], float]], Any] = make_policy
-             ) -> Dict[str, Any]:
+             new_policy: PolicyMaker = make_policy) -> Dict[str, Any]:
   """The scenario over seeds: for the first pass (a fresh job) and the later ones (the
   benchmark's timed rounds), the policy over the best fixed choice and over the plain one
   (mean, and min over seeds), and the mean batches per choice of each."""
@@ -254,14 +319,42 @@ def evaluate(scenario: Scenario, seeds: Sequence[int], sentences: int = 192, pas
   return result
 
 
+def meets(part: Mapping[str, float]) -> bool:
+  """The issue's target: at least 0.97 of the best fixed choice and 0.99 of the plain decoder
+  (means over seeds)."""
+  return part['vs_best'] >= 0.97 and part['vs_plain'] >= 0.99
+
+
+def _target(r: Mapping[str, Any]) -> str:
+  """Per part: 'kept' where the baseline met the target and the policy does, 'LOST' where only
+  the baseline does, 'met' where only the policy does, '-' where neither."""
+  words = {(True, True): 'kept', (True, False): 'LOST', (False, True): 'met', (False, False): '-'}
+  return ', '.join(f"{part} {words[meets(r['baseline'][part]), meets(r[part])]}"
+                   for part in ('job', 'rounds'))
+
+
 def markdown(results: Mapping[str, Any]) -> str:
-  lines = [f"# The decoding policy in simulation: {results['meta']['sentences']} sentences, "
-           f"{results['meta']['seeds']} seeds", '', f"Command: `{results['meta']['command']}`",
-           '', 'Speedup of the policy (time includes its search) over the best fixed choice and '
-           'over the plain decoder, mean (min over seeds); "job": a fresh policy\'s first pass, '
+  meta = results['meta']
+  lines = [f"# The decoding policy in simulation: {meta['sentences']} sentences, "
+           f"{meta['seeds']} seeds" + (', calibrated' if meta.get('model_error') else ''), '',
+           f"Command: `{meta['command']}`", '',
+           'Speedup of the policy (time includes its search) over the best fixed choice and '
+           'over the plain decoder, mean over seeds; "job": a fresh policy\'s first pass, '
            '"rounds": the median of the later passes with its measurements carried over (a long '
-           'job\'s later batches). Fixed speedups: the cost model\'s, over the plain '
-           'decoder.', '']
+           'job\'s later batches). Fixed speedups: the cost model\'s, over the plain decoder, '
+           'in the order of the choices.', '']
+  if meta.get('baseline'):
+    lines += [f"Before: {meta['baseline']}; after: speculative_t5x/policy.py, on the same draws, "
+              'each cell before → after. Target: "kept" where before met >= 0.97 of the best '
+              'and >= 0.99 of the plain decoder and after does too ("LOST" if not; "met": '
+              'after only; "-": neither).', '']
+    cell = lambda r, part, key: f"{r['baseline'][part][key]:.3f} → {r[part][key]:.3f}"
+    rows = [[r['scenario'], ' '.join(f'{s:.2f}' for s in r['fixed_speedups'].values()),
+             *(cell(r, part, key) for part in ('job', 'rounds') for key in ('vs_best', 'vs_plain')),
+             _target(r)] for r in results['scenarios']]
+    header = ('scenario', 'fixed speedups', 'job: vs best', 'job: vs plain', 'rounds: vs best',
+              'rounds: vs plain', 'target')
+    return '\n'.join(lines + harness.table(header, rows))
   rows = []
   for r in results['scenarios']:
     span = lambda part, key: f"{r[part][key]:.3f} ({r[part][key + '_min']:.3f})"
@@ -269,32 +362,59 @@ def markdown(results: Mapping[str, Any]) -> str:
     batches = ', '.join(f'{c}: {n:g}' for c, n in r['job']['batches'].items())
     rows.append([r['scenario'], fixed, span('job', 'vs_best'), span('job', 'vs_plain'),
                  span('rounds', 'vs_best'), span('rounds', 'vs_plain'), batches])
-  lines += harness.table(('scenario', 'fixed speedups', 'job: vs best', 'job: vs plain',
-                          'rounds: vs best', 'rounds: vs plain', 'job: batches per choice'),
-                         rows)
-  return '\n'.join(lines)
+  return '\n'.join(lines + harness.table(
+      ('scenario', 'fixed speedups', 'job: vs best (min)', 'job: vs plain (min)',
+       'rounds: vs best (min)', 'rounds: vs plain (min)', 'job: batches per choice'), rows))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def _line(r: Mapping[str, Any]) -> str:
+  return (f"job {r['job']['vs_best']:.3f} of best ({r['job']['vs_best_min']:.3f} min), "
+          f"{r['job']['vs_plain']:.3f} of plain ({r['job']['vs_plain_min']:.3f}); rounds "
+          f"{r['rounds']['vs_best']:.3f} ({r['rounds']['vs_best_min']:.3f}), "
+          f"{r['rounds']['vs_plain']:.3f} ({r['rounds']['vs_plain_min']:.3f}); "
+          f"{r['job']['batches']}")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--seeds', type=int, default=30, help='simulated jobs per scenario')
   p.add_argument('--sentences', type=int, default=192, help='sentences per pass')
   p.add_argument('--passes', type=int, default=4, help='passes per job (the first untimed)')
+  p.add_argument('--baseline_policy', default=None, metavar='FILE',
+                 help='another policy.py (e.g. an older one from git) simulated beside this '
+                      'one, on the same draws')
+  p.add_argument('--baseline_name', default=None,
+                 help='what the table calls --baseline_policy (default: its path)')
+  p.add_argument('--model_error', type=float, default=None,
+                 help='calibrated jobs: a model within +-this of the cost model')
+  p.add_argument('--scenarios', default=None, help='only scenarios whose name contains this')
   harness.output_flags(p)
-  args = p.parse_args(argv)
+  return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  args = parse_args(argv)
+  name = NAME if args.model_error is None else NAME + '_calibrated'
   results = {'meta': {'command': harness.command_line(NAME, argv), 'seeds': args.seeds,
-                      'sentences': args.sentences, 'passes': args.passes},
+                      'sentences': args.sentences, 'passes': args.passes,
+                      'baseline': args.baseline_name or args.baseline_policy,
+                      'model_error': args.model_error},
              'scenarios': []}
+  baseline = speed.load_policy(args.baseline_policy) if args.baseline_policy else None
   for scenario in SCENARIOS:
-    r = evaluate(scenario, range(args.seeds), args.sentences, args.passes)
+    if args.scenarios and args.scenarios not in scenario.name:
+      continue
+    make = lambda module: functools.partial(make_policy, module=module,
+                                            model_error=args.model_error)
+    r = evaluate(scenario, range(args.seeds), args.sentences, args.passes, make(policy))
+    if baseline is not None:
+      before = evaluate(scenario, range(args.seeds), args.sentences, args.passes, make(baseline))
+      r['baseline'] = {part: before[part] for part in ('job', 'rounds')}
+      print(f"{r['scenario']} before: {_line(before)}", flush=True)
+    print(f"{r['scenario']}: {_line(r)}" + (f"; {_target(r)}" if baseline else ''), flush=True)
     results['scenarios'].append(r)
-    print(f"{r['scenario']}: job {r['job']['vs_best']:.3f} of best ({r['job']['vs_best_min']:.3f}"
-          f" min), {r['job']['vs_plain']:.3f} of plain ({r['job']['vs_plain_min']:.3f}); rounds "
-          f"{r['rounds']['vs_best']:.3f} ({r['rounds']['vs_best_min']:.3f}), "
-          f"{r['rounds']['vs_plain']:.3f} ({r['rounds']['vs_plain_min']:.3f}); "
-          f"{r['job']['batches']}", flush=True)
-  paths = harness.write_results(args, NAME, results, markdown)
+  paths = harness.write_results(args, name, results, markdown)
   print('wrote', *paths)
   return results
 

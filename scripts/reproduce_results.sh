@@ -5,7 +5,7 @@
 #
 # Needs the data folder ($SPECULATIVE_T5X_DATA, default ../shared/data) and the [bench] extra:
 #   pip install -e '.[bench]'
-# About 5 hours on a 2-core CPU in all; each run writes its files into OUT/<name> as it goes (the
+# About 6 hours on a 2-core CPU in all; each run writes its files into OUT/<name> as it goes (the
 # calibrations first: the speed runs start 'auto' from them). ONLY="speed_greedy verifiers" runs
 # the named ones (a speed run reads its calibration from OUT). DRY_RUN=1 prints the commands
 # instead of running them. Nothing else may run on the machine meanwhile:
@@ -32,16 +32,30 @@ declare -A RUNS=(
   [verifiers]="benchmarks.verifiers --count_sentences 1000 --gammas 2,4 --trees 2;2,1;3,1;2,1,1,1 --sentences 1:64,8:192,32:320 --speed_gammas 1,2 --speed_trees 2;3,1 --rounds 3"
   # The CTranslate2 column: both engines on the test captions, alternating processes.
   [vs_ctranslate2]="benchmarks.vs_ctranslate2 --sentences 1:64,8:192,32:320 --rounds 3"
+  # The drafts' agreement with the target, hardware-free: alpha and tokens per call.
+  [drafts]="benchmarks.drafts --drafts embedded=speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack,separate=speculative_t5x/pretrained/multi30k_de_en_draft.msgpack --gammas 1,2,3,4,5 --temperatures 0,0.7,1"
+  # bfloat16 greedy identity (the 'same as greedy' column; one round: its times are not the point).
+  [numerics]="benchmarks.speed --dtype bfloat16 --sentences 32:512 --gammas 2,4 --rounds 1"
+  # 'auto' in simulated jobs against every fixed choice (no decoders, seconds).
+  [policy_sim]="benchmarks.policy_sim --seeds 30"
+  [policy_sim_calibrated]="benchmarks.policy_sim --seeds 30 --model_error 0.05"
+  # The T5X column: in T5X's own venv (T5X_PYTHON=/path/to/t5x-venv/bin/python; docs/t5x.md).
+  [vs_t5x]="benchmarks.vs_t5x --sentences 1:40,8:80 --gammas 1,2,3,auto --rounds 5"
 )
 ORDER=(calibrate_greedy calibrate_t1 calibrate_beam4 speed_greedy speed_t1 speed_t1_b32 speed_beam4
-       verifiers vs_ctranslate2)
+       verifiers vs_ctranslate2 drafts numerics policy_sim policy_sim_calibrated vs_t5x)
 
 for name in ${ONLY:-${ORDER[@]}}; do
   [[ -v "RUNS[$name]" ]] || { echo "error: ONLY names '$name'; known: ${ORDER[*]}" >&2; exit 1; }
   read -r -a words <<< "${RUNS[$name]//\{OUT\}/$out}"
   flag=--out_dir
   [[ "${words[0]}" == benchmarks.* ]] || flag=--output_dir  # (the calibrate command's)
-  command=("${PYTHON:-python}" -m "${words[@]}" "$flag" "$out/$name")
+  python="${PYTHON:-python}"
+  if [[ "$name" == vs_t5x ]]; then
+    [[ -n "${T5X_PYTHON:-}" ]] || { echo "== vs_t5x skipped: set T5X_PYTHON (docs/t5x.md)" >&2; continue; }
+    python="$T5X_PYTHON"
+  fi
+  command=(env "PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}" "$python" -m "${words[@]}" "$flag" "$out/$name")
   if [[ -n "${DRY_RUN:-}" ]]; then
     printf '%q ' "${command[@]}"
     echo

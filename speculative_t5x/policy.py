@@ -1,47 +1,24 @@
-"""The decoding policy: which compiled decoder each batch of a job runs, measured on the job.
+"""The decoding policy: which compiled decoder each batch of a job runs.
 
 A speculative decoder and its plain counterpart give the same output (greedy decoding: the same
 tokens; sampling: the same distribution; beam search: the same beams), so which of them runs a
 batch is a matter of speed alone, and the answer depends on the machine, the pair and the batch
-size: on a 2-core CPU a verify call over 8 rows is arithmetic-bound and costs about what it
-saves, on an accelerator the same batch is bandwidth-bound and speculation pays. So it is
-measured, on the job's own batches, not modelled. `plan` turns a model that leaves the choice
-open into its candidates, ordered from the plain decoder to the most speculative:
+size. `plan` turns a model that leaves the choice open into its candidates, ordered from the
+plain decoder to the most speculative:
 
   speculative_sample, gamma='auto'              0 (temperature_sample: the target alone, same
-                                                temperature / topk / topp), 1, ..., max_gamma
-                                                (each verifying as the job asks; 'auto', the
-                                                default: block verification when sampling at
-                                                gamma >= 2, `decoding.resolve_verification`)
-                                                and, with a calibration that priced them, its
-                                                token trees (run only where its model predicts
-                                                one fastest)
+                                                temperature / topk / topp), 1, ..., max_gamma,
+                                                and a calibration's token trees (run only where
+                                                its model predicts one fastest)
   speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
-and a `DecodingPolicy` that picks one per batch. A job's batches run as a fixed decoder's would,
-dispatched ahead of the one awaited (`DecodingPolicy.stream`), and every batch is a real batch
-of the job (its outputs are kept: there is no separate calibration); its share of the job's wall
-time and its output positions (the longest output of the batch) are recorded for the choice
-that ran it. A choice's cost is total ms over total positions of its last `window` batches (a
-ratio of sums: a short batch, which carries the encoder and per-batch overhead over few
-positions, weighs less; a burst of another process is clipped). A neighbour is compared with
-the running choice both ways, window against window and side by side (each of its batches
-against the running choice's batches run around it: the machine's speed drifts by more than
-the differences sought), and the less favourable comparison counts. The first batch runs the
-fallback; then the running choice's neighbours (one step more or less speculative, the more
-speculative first, and the plain decoder, always within reach) are tried: a local search that
-stops where both neighbours are slower (it looks past one that a calibrated model rules out
-untried), so a job tries two to four choices, not all. A
-neighbour replaces the running choice only once it is faster by a margin beyond the noise of
-the estimates (the noise of one batch pooled over the job's batches); while it may be
-faster, it (or the running choice, if that has fewer batches) runs again. Exploration is
-bounded: batches of untried choices may cost at most `EXPLORE_SHARE` of the job's time beyond
-the running choice's (an untried neighbour is assumed slower unless the step from the
-nearest measured choice on the other side saved time); the plain decoder is exempt, as time on
-it is never lost against decoding without speculation. A neighbour that is surely not faster
-is re-measured `explore_every` batches after it last ran, and twice as long after each time, so
-a long job follows changes at a cost that shrinks. A job shorter than the search runs the
-fallback, and its summary says so.
+and a `DecodingPolicy` picks one per batch, by the rule docs/decoding.md states: with a
+calibration, the choice its model predicts fastest at the job's counted acceptance, with the
+plain decoder timed beside it where the model cannot tell them apart (it is dropped if that is
+surely faster); without one, a bandit over the candidates (`DecodingPolicy._explore`). Every
+batch is a real batch of the job, its cost its share of the job's wall time over its longest
+output's positions, and two choices are compared within blocks of `WINDOW` consecutive batches:
+the machine's speed drifts by more than the differences sought.
 
 BiLD is never chosen automatically: it is lossy, so choosing it is the user's decision.
 """
@@ -51,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import itertools
 import time
 from typing import (Any, Callable, Deque, Dict, Hashable, Iterable, Iterator, List, Mapping,
                     Optional, Sequence, Tuple)
@@ -65,79 +41,48 @@ from speculative_t5x import decoding
 from speculative_t5x import models
 from speculative_t5x import trees
 
+# The figures below are benchmarks.policy_sim's (30 seeds: "job" a fresh 192-sentence job,
+# "rounds" its later passes; results/cpu/policy_sim.md) unless they name a measured run. Each
+# value was moved alone to the neighbours given; "lost" is a scenario where the policy then fell
+# below the issue's target (0.97 of the best fixed choice, 0.99 of the plain decoder) that it
+# meets at this value.
+
 AUTO = 'auto'
-# gamma='auto' candidates: 0 (the target alone) to MAX_GAMMA, each one compiled loop. The first
-# batch runs FALLBACK_GAMMA when greedy (on the project's CPU the fastest gamma at batch 8 and
-# within 1% of the fastest at 32, where a 192-sentence job is too short to search, and halfway to
-# the fastest at batch 1). When sampling it runs SAMPLING_FALLBACK_GAMMA up to
-# SAMPLING_FALLBACK_ROWS rows a batch: from a speculative start the target alone is always
-# within reach (it is exempt from the exploration budget), while from the target alone a short
-# job cannot afford to try speculation (at T=1 the embedded pair's gamma 1 was 1.12x at batch 8,
-# and a 24-batch job starting without it never tried it). Above that, the target alone: on a
-# CPU a verify call over 64 rows is arithmetic-bound (gamma 1 at batch 32: 0.97x and 1.04x in
-# two runs, no clear gain), and a 6-batch job cannot search its way back. Sampling one row a
-# batch starts at ONE_ROW_SAMPLING_FALLBACK_GAMMA: a verify call of a few tokens for one row is
-# bandwidth-bound on every machine (about one step's cost), the embedded pair's fastest gamma
-# there was 4, and the search, which climbs one gamma at a time through batches whose time
-# varies by 15-25%, got there late from gamma 1 (0.92 of the best fixed gamma measured, 0.90 in
-# benchmarks.policy_sim; from gamma 3: 0.99 measured, 0.95 simulated). The separate draft,
-# whose best at T=1 is the target alone, lost nothing (0.981 and 0.984 simulated): the target
-# alone is always within reach. Greedy keeps FALLBACK_GAMMA: it reached 0.99 of the best from
-# there, and one run from gamma 3 gave 0.93.
+# gamma='auto' candidates: the target alone and gammas 1 to MAX_GAMMA, each a compiled loop.
+# Gamma 4 was the fastest fixed gamma at batch 1 greedy and at T=1 (1.84x and 1.57x,
+# results/cpu/speed_greedy/speed.md, speed_t1/speed.md); gammas 1-2 at batch 8 and 32.
 MAX_GAMMA = 4
-FALLBACK_GAMMA = 2
-SAMPLING_FALLBACK_GAMMA = 1
-SAMPLING_FALLBACK_ROWS = 8
-ONE_ROW_SAMPLING_FALLBACK_GAMMA = 3
-# branching='auto' candidates, () = beam_search itself (the fallback: a tree call over 4 beams is
-# arithmetic-bound on a CPU and did not pay there).
+# branching='auto' candidates, () = beam_search itself (where an uncalibrated job starts: the
+# tree (1,) ran 0.74-0.82x of it on the project's CPU, results/cpu/speed_beam4/speed.md).
 TREES: Tuple[Tuple[int, ...], ...] = ((), (1,), (2,), (4,), (8,))
-FALLBACK_TREE: Tuple[int, ...] = ()
-# A choice's cost: total ms over total output positions of its last WINDOW batches (a ratio of
-# sums: a short batch carries the per-batch fixed cost over few positions, and weighs less).
+# Where an uncalibrated gamma job starts (`fallback_gamma`). One row: MAX_GAMMA, as a verify call
+# of a few tokens for one row costs about a step on every machine (embedded pair, batch 1: job
+# 0.972 greedy and 0.975 at T=1 from gamma 4; from gamma 2, 0.959 and 0.937). More rows, greedy:
+# FALLBACK_GAMMA (1 lost both batch 8 greedy jobs, 0.965 and 0.964; 3 lost those, their rounds
+# and the separate draft's batch 32 greedy job). Sampling, up to SAMPLING_FALLBACK[0] rows: its gamma, 1 (from 2 the fresh batch 8
+# T=1 jobs fell from 0.958 to 0.929 and from 0.974 to 0.967; measured on the CPU, gamma 1 was
+# the fastest at T=1 batch 8, results/cpu/speed_t1/speed.md); above, the target alone: at
+# batch 32 speculation paid with one pair (gamma 3 1.19x) and lost with the other (0.82-0.95x),
+# and 6 batches cannot find out which (rows up to 32 lost the separate draft's batch 32 T=1
+# job and rounds: 0.969, 0.982).
+FALLBACK_GAMMA = 2
+SAMPLING_FALLBACK = (8, 1)
+# Blocks of WINDOW consecutive batches are where choices are compared; a choice's estimate is
+# over its last WINDOW batches, and the job's last WINDOW blocks are kept (so a long job follows
+# a change within WINDOW ** 2 batches). 16 lost the separate draft's batch 1 T=1 rounds (0.985)
+# and batch 8 greedy job (0.967); 32 lost nothing. 24: one batch 8 job of 192 sentences.
 WINDOW = 24
-# A neighbour replaces the running choice once its cost is lower by more than MARGIN, by Z
-# standard errors of the difference (log ms per position, sigma pooled over all the choices'
-# batches: one batch at batch 1 is one sentence, and its time varies by 10-25%). Until then, a
-# neighbour that looks faster by more than MARGIN runs again.
-MARGIN = 0.01
+# A choice may be faster while its measured gain (log ms per position, the running choice's over
+# its) plus Z standard errors is positive, and is surely faster once the gain less Z standard
+# errors is (the bandit's exploration, the guard's plain decoder and its verdict). 0.6 lost the embedded pair's batch 8 greedy job (0.969) and the separate draft's
+# batch 1 T=1 rounds (0.989); 0.3 lost nothing.
 Z = 0.5
-PRIOR_SIGMA, PRIOR_BATCHES = 0.15, 4
-# A batch counts at most SPIKE times the choice's median ms per position.
-SPIKE = 1.5
-# A neighbour's batch is compared with the running choice's batches at most NEAR batches from it
-# (before or after), among the last HISTORY batches of each choice.
-NEAR = 8
-HISTORY = 512
-# Exploration (batches of non-running choices) may cost at most EXPLORE_SHARE of the job's time
-# beyond what the running choice would have taken; an untried neighbour is expected to cost
-# PRIOR_SLOWDOWN more than the running choice unless the step to the running choice from its
-# other side saved time. The plain decoder (choices[0]) is exempt: time on it is never lost
-# against decoding without speculation.
-EXPLORE_SHARE = 0.01
-PRIOR_SLOWDOWN = 0.5
-# A neighbour measured not faster is re-measured EXPLORE_EVERY batches later, then after twice as
-# many each time it is still not faster (at most MAX_EXPLORE_EVERY): a long job keeps following
-# the machine's drift, and a neighbour that never pays costs ever fewer batches.
-EXPLORE_EVERY = 8
-MAX_EXPLORE_EVERY = 256
-# A job's batches in flight beyond the one awaited (`DecodingPolicy.stream`).
-IN_FLIGHT = 2
-# With a calibrated model, a choice it predicts slower than the running one by more than
-# MODEL_SLACK (its error on gammas it was not fitted to was at most 5% here) is not explored
-# before the job's MODEL_TRUST-th batch: a short job does not pay to check what the model already
-# answers (at batch 32 a 192-sentence job is 6 batches, and one batch of the target alone cost it
-# 7%), and a long one still finds out when the model no longer holds. A checked model
-# (`DecodingPolicy.model_error`) keeps ruling out, for the whole job, what it predicts slower by
-# more than MODEL_SLACK plus CHECKED_MARGIN times its error: at batch 1 T=1 the target alone,
-# predicted 62% slower than gamma 3, otherwise took 4 batches of each 192-batch job after its
-# 64th, each twice as slow as the running choice's (2% of the job).
-MODEL_SLACK = 0.08
-MODEL_TRUST = 64
-CHECKED_MARGIN = 3
-# The narrowest prior a checked model gives a timed comparison (`DecodingPolicy.model_error`):
-# its check is one run of a few batches.
-MIN_MODEL_ERROR = 0.03
+# A choice off the search's path is first tried EXPLORE_EVERY batches into the job, and one
+# measured slower is re-measured EXPLORE_EVERY batches after it last ran, then after twice as
+# many each time: exploration costs ever less. 16 lost both batch 8 beam jobs (0.987, 0.988: a
+# tree tried in a 24-batch job) and the separate draft's batch 8 greedy job (0.969); 64 lost
+# nothing.
+EXPLORE_EVERY = 32
 
 
 def round_robin(passes: Mapping[Hashable, Callable[[], Any]], repeats: int,
@@ -221,64 +166,69 @@ def longest(rows: np.ndarray) -> int:
 
 @dataclasses.dataclass
 class _Record:
-  """One choice's measurements: (the job's batch number, ms, output positions) of its last
-  HISTORY batches, for side-by-side comparisons with batches of other choices run at about the
-  same time, and its cost over the last `window` of them, computed once per batch (the policy
-  reads it several times a batch, and at batch 1 a batch is a few ms)."""
+  """One choice's batches: the job's batch number and log ms per output position of each in the
+  job's last `window` blocks, and the ms and positions of its last `window` batches."""
   window: int
+  interval: int  # batches after its last batch until it is due for a re-measure
   batches: int = 0
-  last: int = -1  # the job's batch number it last ran
-  interval: int = EXPLORE_EVERY  # batches after `last` until it is re-measured as a neighbour
-  history: Deque[Tuple[int, float, int]] = dataclasses.field(
-      default_factory=lambda: collections.deque(maxlen=HISTORY))
-  recent: np.ndarray = dataclasses.field(  # the window's batches [count, (number, ms, positions)]
-      default_factory=lambda: np.zeros((0, 3)))
-  count: int = 0  # batches in the window
-  mean_ms: float = 0.0  # their mean ms
-  cost: float = float('inf')  # ms per output position: a ratio of sums over the window
-  log_ratios: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+  last: int = 0  # the job's batch number after its last batch (0: the job's start)
+  numbers: Deque[int] = dataclasses.field(default_factory=collections.deque)
+  logs: Deque[float] = dataclasses.field(default_factory=collections.deque)
+  recent: Deque[Tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
 
   def add(self, number: int, ms: float, positions: int) -> None:
-    """Appends batch `number`. Each batch's ms counts at most SPIKE times its positions at the
-    window's median ms per position: another process's burst must not stick to a choice for a
-    window."""
-    self.history.append((number, ms, positions))
-    self.recent = np.array(list(itertools.islice(
-        self.history, max(0, len(self.history) - self.window), None)))
-    ms_, positions_ = self.recent[:, 1], self.recent[:, 2]
-    clipped = np.minimum(ms_, SPIKE * np.median(ms_ / positions_) * positions_)
-    self.count, self.mean_ms = len(self.recent), float(ms_.mean())
-    self.cost = float(clipped.sum() / positions_.sum())
-    self.log_ratios = np.log(clipped / positions_)
+    self.batches += 1
+    self.last = number + 1
+    self.numbers.append(number)
+    self.logs.append(float(np.log(max(ms, 1e-9) / positions)))
+    self.recent.append((ms, positions))
+    if len(self.recent) > self.window:
+      self.recent.popleft()
+
+  def forget_before(self, number: int) -> None:
+    """Forgets its batches before batch `number`."""
+    while self.numbers and self.numbers[0] < number:
+      self.numbers.popleft()
+      self.logs.popleft()
+
+  @property
+  def cost(self) -> float:
+    """ms per output position over its window (a ratio of sums), inf before any batch."""
+    if not self.recent:
+      return float('inf')
+    ms, positions = np.sum(np.array(self.recent), axis=0)
+    return float(ms / positions)
+
+  def arrays(self, last: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(batch numbers, log ms per position) of the kept batches, or of the last `last`."""
+    numbers, logs = np.array(self.numbers, int), np.array(self.logs)
+    return (numbers, logs) if last is None else (numbers[-last:], logs[-last:])
+
+
+Gain = Tuple[float, float]  # (log of the running choice's cost over a choice's, standard error)
 
 
 class DecodingPolicy:
-  """Which decoder each batch of a job runs (module docstring: the search and its costs).
+  """Which decoder each batch of a job runs (module docstring; docs/decoding.md).
 
   choices: the keys of the job's compiled decoders (`plan`), ordered from the plain decoder to
     the most speculative; `(None,)` for a fixed decoder.
   setting: what a choice sets ('gamma' or 'branching'; None for a fixed decoder), the name under
     which the infer job records it per example.
+  fallback: the first batch's choice; window, explore_every: `WINDOW`, `EXPLORE_EVERY`.
   clock: injectable for tests.
-  model: the batch size's `costs.StepCosts` (speculative-t5x-calibrate's) for gamma choices:
-    the job's batches count their acceptance (`observe`'s stats) and their rows' output
-    positions, from which it predicts each choice's time; the choice the model then
-    predicts fastest neighbours the running one (tried next if it has not run yet), choices it
-    predicts much slower are not explored early in the job (MODEL_SLACK), and timing decides
-    between the rest.
-  prior_alpha: the calibration's acceptance, the model's until a speculative batch counts one.
+  model: the batch size's `costs.StepCosts` (speculative-t5x-calibrate's): each batch runs the
+    choice it predicts fastest at the acceptance the job's speculative batches count
+    (`observe`'s stats; before any, `prior_alpha`, the calibration's), and for their rows.
   modelled: choices outside the line of `choices` that only the model reaches (token trees the
-    calibration priced): run when it predicts one fastest, never explored by the local search;
-    while one runs, timing checks it against the plain decoder and the model's best of the line.
-  model_error: the model's largest relative error over every choice it prices, as its
-    calibration checked them (None: not all checked). Given, the model's predicted difference
-    between two choices is a prior of that width on their timed comparison: at batch 1 one
-    batch's time varies by 15-25%, and a neighbour predicted much slower would otherwise take
-    over on a lucky streak (beam search at batch 1: 34 of 192 batches on a tree 17% slower).
+    calibration priced).
+  model_error: the model's largest relative error over the choices it prices, as its
+    calibration checked them (None: not all checked): the guard's width (`_guards`).
   """
 
   def __init__(self, choices: Sequence[Any], setting: Optional[str] = None,
-               fallback: Any = None, window: int = WINDOW, explore_every: int = EXPLORE_EVERY,
+               fallback: Any = None, window: Optional[int] = None,
+               explore_every: Optional[int] = None,
                clock: Callable[[], float] = time.perf_counter,
                model: Optional[costs.StepCosts] = None, prior_alpha: Optional[float] = None,
                modelled: Sequence[Any] = (), model_error: Optional[float] = None):
@@ -288,27 +238,24 @@ class DecodingPolicy:
     self.choices = self.line + tuple(c for c in modelled if c not in self.line)
     self.setting = setting
     self.fallback = fallback if fallback in self.choices else self.choices[0]
-    self.explore_every = explore_every
-    self.window = window
+    self.window = window or WINDOW  # (read when made: a test may set the module's)
+    self.explore_every = explore_every or EXPLORE_EVERY
     self.clock = clock
     self.model = model
     self.prior_alpha = prior_alpha
     self.model_error = model_error
+    self.dropped = False  # whether the guard dropped the model
     # (choice, accepted, rejected draft tokens) of the last `window` speculative batches, and
-    # the rows' output positions of the last `window` batches.
-    self.counts: Deque[Tuple[Any, int, int]] = collections.deque(maxlen=window)
-    self.lengths: Deque[np.ndarray] = collections.deque(maxlen=window)
-    self.records = {c: _Record(window, interval=explore_every) for c in self.choices}
+    # the rows' output positions of the last `window` batches: the model's view of the job.
+    self.counts: Deque[Tuple[Any, int, int]] = collections.deque(maxlen=self.window)
+    self.lengths: Deque[np.ndarray] = collections.deque(maxlen=self.window)
+    self.records = {c: _Record(self.window, self.explore_every) for c in self.choices}
     self.current = self.fallback  # the running choice
     self.batches = 0
     self.total_ms = 0.0
-    self.excess_ms = 0.0  # what batches of other choices cost beyond the running choice's cost
-    self._sigma_cache: Optional[float] = None
-    self._advantages: Dict[Any, Tuple[float, float]] = {}  # of this batch: each is read often
-    self._ours: Optional[np.ndarray] = None  # the running choice's history as an array
-    self._alpha: Optional[Tuple[Optional[float]]] = None  # of this batch: read per neighbour
-    self._predictions: Dict[Any, float] = {}  # of this batch, likewise
-    self._rows: Optional[np.ndarray] = None  # of this batch, likewise
+    self.excess_ms = 0.0  # what batches of other choices cost beyond the running choice's
+    self._cache: Dict[Any, Any] = {}  # estimates of this batch, read several times each
+    self._previous: Any = self.current  # the last choice made
 
   def fresh(self) -> 'DecodingPolicy':
     """A policy with the same choices and settings and no measurements: the next job's."""
@@ -322,16 +269,19 @@ class DecodingPolicy:
     return len(self.choices) > 1
 
   def best(self) -> Any:
-    """The running choice: the fastest confirmed one (the fallback before any measurement)."""
+    """The running choice (the fallback before any batch)."""
     return self.current
+
+  def _cached(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+    if key not in self._cache:
+      self._cache[key] = compute()
+    return self._cache[key]
 
   def alpha(self) -> Optional[float]:
     """The chains' acceptance in the job's recent speculative batches (the paper's: accepted
     over accepted and rejected draft tokens, a tree's lift taken off); before any, the
-    calibration's (`prior_alpha`; None without a model). Computed once per observed batch."""
-    if self._alpha is None:
-      self._alpha = (self._counted_alpha(),)
-    return self._alpha[0]
+    calibration's (`prior_alpha`; None without a model)."""
+    return self._cached('alpha', self._counted_alpha)
 
   def _counted_alpha(self) -> Optional[float]:
     by_choice: Dict[Any, List[int]] = collections.defaultdict(lambda: [0, 0])
@@ -347,206 +297,108 @@ class DecodingPolicy:
 
   def predicted(self) -> Optional[Any]:
     """The choice the model predicts fastest at the observed acceptance (None without a model
-    or before a speculative batch)."""
-    alpha = self.alpha()
-    if self.model is None or alpha is None:
+    or an acceptance)."""
+    if self.model is None or self.alpha() is None:
       return None
-    return costs.cheapest([c for c in self.choices if self.model.prices(c)],
-                          self._predicted_ms)
-
-  def _neighbours(self) -> List[Any]:
-    """The choices one step more and less speculative than the running one, and the next one
-    past a neighbour that is not surely slower or that the model rules out untried: a local
-    search then crosses a plateau (at batch 1 greedy gamma 2, 3 and 4 were within a few % of
-    each other, and the search rested on 2) and a choice the model prices apart (at batch 8 T=1
-    a job started on gamma 4 with gamma 3 ruled out never reached gamma 2, 8% faster). A
-    modelled choice's: the model's best of the line."""
-    out: List[Any] = []
-    if self.current not in self.line:
-      out.append(costs.cheapest([c for c in self.line if self.model.prices(c)],
-                                self._predicted_ms))
-    else:
-      i, line = self.line.index(self.current), self.line
-      for step in (-1, 1):
-        if 0 <= i + step < len(line):
-          out.append(line[i + step])
-          if 0 <= i + 2 * step < len(line) and self._passable(out[-1]):
-            out.append(line[i + 2 * step])
-    if self.choices[0] not in out + [self.current]:
-      out.append(self.choices[0])
-    predicted = self.predicted()  # the model's pick neighbours every choice
-    if predicted is not None and predicted not in out + [self.current]:
-      out.append(predicted)
-    return out
-
-  def _sigma(self) -> float:
-    """The noise of one batch's log ms per position, pooled over the choices (with a prior);
-    computed once per observed batch."""
-    if self._sigma_cache is None:
-      squares, dof = PRIOR_SIGMA ** 2 * PRIOR_BATCHES, PRIOR_BATCHES
-      for record in self.records.values():
-        if record.count > 1:
-          squares += float(np.sum((record.log_ratios - record.log_ratios.mean()) ** 2))
-          dof += len(record.log_ratios) - 1
-      self._sigma_cache = float(np.sqrt(squares / dof))
-    return self._sigma_cache
-
-  def _advantage(self, choice: Any) -> Tuple[float, float]:
-    """(log of the running choice's ms per position over `choice`'s: > 0 when it is faster,
-    its standard error), measured side by side: each of `choice`'s last `window` batches
-    against the running choice's batches within NEAR batches of it (the machine's speed drifts
-    by more than the differences sought, so windows taken at different times cannot be
-    compared). Each pair's log ratio counts at most log(SPIKE) either way."""
-    if choice not in self._advantages:
-      record, current = self.records[choice], self.records[self.current]
-      paired, windows = self._paired(record, current), self._windows(record, current)
-      timed = min(paired[0], windows[0]), max(paired[1], windows[1])
-      self._advantages[choice] = self._with_prior(choice, *timed)
-    return self._advantages[choice]
-
-  def _with_prior(self, choice: Any, gain: float, error: float) -> Tuple[float, float]:
-    """A timed (gain, error) combined with the model's predicted gain, weighted by inverse
-    variances, the model's standard error `model_error` (at least MIN_MODEL_ERROR); the timed
-    one alone without a checked model, where it does not price both choices, or before both
-    have run (the prior tempers timing; it does not replace it)."""
-    alpha = self.alpha()
-    if (self.model_error is None or alpha is None or not self.model.prices(choice) or
-        not self.model.prices(self.current) or not self.records[choice].count or
-        not self.records[self.current].count):
-      return gain, error
-    prior = np.log(self._predicted_ms(self.current) / self._predicted_ms(choice))
-    prior_error = max(self.model_error, MIN_MODEL_ERROR)
-    weights = np.array([1 / error ** 2 if np.isfinite(error) else 0.0, 1 / prior_error ** 2])
-    return (float(np.dot(weights, [gain, prior]) / weights.sum()),
-            float(1 / np.sqrt(weights.sum())))
-
-  def _windows(self, record: _Record, current: _Record) -> Tuple[float, float]:
-    if not record.count or not current.count:
-      return 0.0, float('inf')
-    error = self._sigma() * np.sqrt(1 / record.count + 1 / current.count)
-    return float(np.log(current.cost / record.cost)), float(error)
-
-  def _paired(self, record: _Record, current: _Record) -> Tuple[float, float]:
-    if not record.history or not current.history:
-      return 0.0, float('inf')
-    theirs = record.recent
-    if self._ours is None:  # the running choice's, once a batch for all its neighbours
-      self._ours = np.array(current.history)
-    ours = self._ours
-    near = np.abs(ours[None, :, 0] - theirs[:, None, 0]) <= NEAR  # [n, len(ours)]
-    counts = near.sum(axis=1)
-    paired = counts > 0
-    if not paired.any():
-      return 0.0, float('inf')
-    ratios = (near @ ours[:, 1]) / np.maximum(near @ ours[:, 2], 1)
-    gains = np.log(ratios[paired]) - np.log(theirs[paired, 1] / theirs[paired, 2])
-    gains = np.clip(gains, -np.log(SPIKE), np.log(SPIKE))
-    weights = 1 + 1 / counts[paired]  # each pair's variance, in one batch's
-    return float(gains.mean()), float(self._sigma() * np.sqrt(weights.sum()) / len(gains))
-
-  def _passable(self, choice: Any) -> bool:
-    """Whether the local search looks past `choice`, a neighbour of the running one: measured
-    and not surely slower, or untried and ruled out by the model (`_ruled_out`)."""
-    if not self.records[choice].count:
-      return self._ruled_out(choice)
-    gain, error = self._advantage(choice)
-    return gain + Z * error > -MARGIN
-
-  def _expected_slowdown(self, choice: Any) -> float:
-    """How much slower than the running choice a batch of `choice` is expected to be."""
-    if self.records[choice].count:
-      return max(0.0, -self._advantage(choice)[0])
-    if choice not in self.line or self.current not in self.line:
-      return self._predicted_slowdown(choice)
-    line, i, j = self.line, self.line.index(self.current), self.line.index(choice)
-    if abs(j - i) == 2:  # past a plateau, as slow as the measured neighbour in between if that
-      middle = line[(i + j) // 2]  # is; past one the model rules out, as the model predicts
-      if self.records[middle].count or self.alpha() is None:
-        return max(0.0, -self._advantage(middle)[0])
-      return self._predicted_slowdown(choice)
-    step = i - j  # toward the other side: its nearest measured choice
-    others = [self.records[c] for c in (line[i + step::step] if i + step >= 0 else ())
-              if self.records[c].count]
-    if others and others[0].cost > self.records[self.current].cost:
-      return 0.0  # the step from there to the running choice saved time: keep going
-    return PRIOR_SLOWDOWN
-
-  def _predicted_slowdown(self, choice: Any) -> float:
-    """How much slower than the running choice the model predicts `choice` (0 if faster)."""
-    return max(0.0, self._predicted_ms(choice) / self._predicted_ms(self.current) - 1.0)
-
-  def _affordable(self, choice: Any) -> bool:
-    """Whether a batch of `choice` keeps exploration within EXPLORE_SHARE of the job's time."""
-    if choice == self.choices[0]:
-      return True
-    current = self.records[self.current]
-    return (self.excess_ms + self._expected_slowdown(choice) * current.mean_ms <=
-            EXPLORE_SHARE * (self.total_ms + current.mean_ms))
-
-  def _next(self) -> Any:
-    if not self.measured or not self.records[self.current].count:  # the first batch: fallback
-      return self.current
-    neighbours, current = self._neighbours(), self.records[self.current]
-    for choice in neighbours:  # may be faster, not yet surely: measure it again (or the running
-      record = self.records[choice]  # choice, if it has fewer batches: both estimates are noisy)
-      gain, error = self._advantage(choice)
-      if record.count and (gain > MARGIN or
-                           gain + Z * error > MARGIN and self._affordable(choice)):
-        return choice if record.count <= current.count else self.current
-    predicted = self.predicted()  # the model's pick, once, untried: timing decides from there
-    if predicted is not None and predicted != self.current and not self.records[predicted].count:
-      return predicted
-    # Untried neighbours within the exploration budget; measured ones when their interval is
-    # up (its doubling bounds what re-measuring costs: a neighbour's relative speed can only be
-    # known to have changed by measuring it again).
-    due = [c for c in neighbours if not self._ruled_out(c) and
-           (self.batches - self.records[c].last >= self.records[c].interval
-            if self.records[c].count else self._affordable(c))]
-    if due:  # untried neighbours first (the local search; the more speculative first, where
-      # greedy decoding gains most), then the longest unmeasured
-      return min(due, key=lambda c: (self.records[c].last, -self.choices.index(c)))
-    return self.current
-
-  def choose(self, explore: bool = True) -> Any:
-    """The choice for the next batch (the running one unless `explore`), process 0's in a
-    multi-host job (all run one program)."""
-    choice = self._next() if explore else self.current
-    if self.measured and jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      index = multihost_utils.broadcast_one_to_all(np.int32(self.choices.index(choice)))
-      choice = self.choices[int(index)]
-    return choice
-
-  def _lengths(self) -> Optional[np.ndarray]:
-    """The recent batches' rows' output positions [batches, rows] (None before any); computed
-    once per observed batch."""
-    if self._rows is None and self.lengths:
-      rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
-      self._rows = np.zeros((len(self.lengths), rows), int)
-      for i, batch in enumerate(self.lengths):
-        self._rows[i, :len(batch)] = batch
-    return self._rows
+    return costs.cheapest([c for c in self.choices if self.model.prices(c)], self._predicted_ms)
 
   def _predicted_ms(self, choice: Any) -> float:
     """The model's ms per output position of `choice` at the job's acceptance, for its recent
-    batches' rows; computed once per observed batch."""
-    if choice not in self._predictions:
-      self._predictions[choice] = self.model.ms_per_position(choice, self.alpha(),
-                                                             lengths=self._lengths())
-    return self._predictions[choice]
+    batches' rows."""
+    return self._cached(('predicted', choice), lambda: self.model.ms_per_position(
+        choice, self.alpha(), lengths=self._lengths()))
 
-  def _ruled_out(self, choice: Any) -> bool:
-    """Whether the model predicts `choice` slower than the running choice by more than
-    MODEL_SLACK, early in the job (`MODEL_TRUST`), or, checked, by more than that and
-    CHECKED_MARGIN times its error."""
-    alpha = self.alpha()
-    if (alpha is None or not self.model.prices(choice) or not self.model.prices(self.current)
-        or (self.batches >= MODEL_TRUST and self.model_error is None)):
-      return False  # (alpha is None without a model)
-    slack = MODEL_SLACK
-    if self.batches >= MODEL_TRUST:
-      slack += CHECKED_MARGIN * max(self.model_error, MIN_MODEL_ERROR)
-    return self._predicted_ms(choice) > (1 + slack) * self._predicted_ms(self.current)
+  def _lengths(self) -> Optional[np.ndarray]:
+    """The recent batches' rows' output positions [batches, rows] (None before any)."""
+    if not self.lengths:
+      return None
+    rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
+    out = np.zeros((len(self.lengths), rows), int)
+    for i, batch in enumerate(self.lengths):
+      out[i, :len(batch)] = batch
+    return out
+
+  def _follows_model(self) -> bool:
+    return not self.dropped and self.predicted() is not None
+
+  def _blocks(self, choice: Any, last: Optional[int] = None) -> Dict[int, Tuple[int, float]]:
+    """{block: (batches, mean log ms per position)} of `choice`'s kept batches (its last `last`
+    if given), a block being `window` consecutive batches of the job."""
+    numbers, logs = self.records[choice].arrays(last)
+    blocks, inverse, counts = np.unique(numbers // self.window, return_inverse=True,
+                                        return_counts=True)
+    means = np.bincount(inverse, logs) / counts
+    return {int(b): (int(n), float(m)) for b, n, m in zip(blocks, counts, means)}
+
+  def _sigma(self) -> float:
+    """The noise of one batch's log ms per position: its spread about its choice's mean in its
+    block (the machine's drift across blocks left out), pooled over the choices; inf before a
+    choice ran twice in a block."""
+    def pooled() -> float:
+      squares, dof = 0.0, 0
+      for record in self.records.values():
+        numbers, logs = record.arrays()
+        for block in np.unique(numbers // self.window):
+          within = logs[numbers // self.window == block]
+          squares += float(np.sum((within - within.mean()) ** 2))
+          dof += len(within) - 1
+      return float(np.sqrt(squares / dof)) if dof else float('inf')
+    return self._cached('sigma', pooled)
+
+  def _gain(self, choice: Any) -> Optional[Gain]:
+    """(log of the running choice's ms per position over `choice`'s: > 0 when `choice` is
+    faster, its standard error), None before `choice` ran. Block by block (the machine's speed
+    drifts by more than the differences sought): the blocks of its last `window` batches where
+    the running choice ran too, each weighted by n m / (n + m) for their n and m batches."""
+    def blocked() -> Optional[Gain]:
+      if not self.records[choice].batches:
+        return None
+      if choice == self.current:
+        return 0.0, 0.0
+      theirs, ours = self._blocks(choice, self.window), self._blocks(self.current)
+      common = [b for b in theirs if b in ours]
+      if not common:
+        return 0.0, float('inf')
+      weights = np.array([theirs[b][0] * ours[b][0] / (theirs[b][0] + ours[b][0])
+                          for b in common])
+      differences = np.array([ours[b][1] - theirs[b][1] for b in common])
+      return (float(np.dot(weights, differences) / weights.sum()),
+              float(self._sigma() / np.sqrt(weights.sum())))
+    return self._cached(('gain', choice, self.current), blocked)
+
+  def _optimism(self, choice: Any) -> float:
+    """How much faster `choice` may be: its gain plus Z standard errors (-inf untried)."""
+    gain = self._gain(choice)
+    return -float('inf') if gain is None else gain[0] + Z * gain[1]
+
+  def _guards(self) -> bool:
+    """Whether the plain decoder is timed beside the model's choice: the model predicts that
+    choice faster by less than the model's error, the calibration's checked one (unchecked:
+    always) or its error on the running choice in this job, whichever is larger."""
+    plain = self.line[0]
+    if plain == self.current or not self.model.prices(plain):
+      return False
+    checked = self.model_error if self.model_error is not None else float('inf')
+    observed = np.log(self.records[self.current].cost / self._predicted_ms(self.current))
+    gain = np.log(self._predicted_ms(plain) / self._predicted_ms(self.current))
+    return bool(gain < max(checked, abs(observed) if np.isfinite(observed) else 0.0))
+
+  def _update(self) -> None:
+    """After a batch: the running choice. The model's pick, unless the guard finds the plain
+    decoder surely faster (Z standard errors): then the model is dropped for the job. Without
+    a model, the choice measured fastest."""
+    if self._follows_model():
+      self.current = self.predicted()
+      if self._guards():
+        gain = self._gain(self.line[0])
+        if gain is not None and gain[0] - Z * gain[1] > 0:
+          self.dropped, self.current = True, self.line[0]
+      return
+    gains = {c: self._gain(c) for c in self.line if c != self.current}
+    faster = [c for c, gain in gains.items() if gain is not None and gain[0] > 0]
+    if faster:
+      self.records[self.current].interval = self.explore_every
+      self.current = max(faster, key=lambda c: gains[c][0])
 
   def observe(self, choice: Any, seconds: float, decodes: Any,
               stats: Optional[Mapping[str, Any]] = None) -> None:
@@ -554,48 +406,105 @@ class DecodingPolicy:
     (for the model's acceptance) the decoder's per-row stats, `accepted` and `rollbacks`
     [batch]."""
     rows = row_positions(decodes)  # (one copy to the host, for both uses)
-    record, positions, ms = self.records[choice], longest(rows), 1e3 * seconds
+    positions, ms = longest(rows), 1e3 * seconds
     if self.model is not None and self.setting == 'gamma':
       self.lengths.append(rows.reshape(-1))  # (each of num_decodes a row)
       if choice and stats and 'accepted' in stats and 'rollbacks' in stats:
         self.counts.append((choice, _total(stats['accepted']), _total(stats['rollbacks'])))
-    if choice not in (self.current, self.choices[0]) and self.records[self.current].count:
-      self.excess_ms += ms - self.records[self.current].cost * positions
-    record.add(self.batches, ms, positions)
-    self._sigma_cache, self._advantages, self._ours, self._alpha = None, {}, None, None
-    self._predictions, self._rows = {}, None
-    record.batches += 1
-    record.last = self.batches
+    running = self.records[self.current]
+    if choice != self.current and running.batches:
+      self.excess_ms += ms - running.cost * positions
+    self.records[choice].add(self.batches, ms, positions)
+    horizon = (self.batches // self.window - self.window + 1) * self.window
+    for record in self.records.values():  # (the last `window` blocks)
+      record.forget_before(horizon)
     self.batches += 1
     self.total_ms += ms
-    if choice == self.current and len(self.choices) == 1:
-      return
-    advantages = {c: self._advantage(c) for c in self._neighbours()}
-    surely = [c for c, (gain, error) in advantages.items() if gain - Z * error > MARGIN]
-    if surely:
-      best = max(surely, key=lambda c: advantages[c][0])
-      self.records[self.current].interval = self.explore_every
-      self.current, self._advantages, self._ours = best, {}, None
-    elif choice in advantages and advantages[choice][0] + Z * advantages[choice][1] <= MARGIN:
-      # (A multi-host job runs process 0's choice, which need not neighbour this process's.)
-      record.interval = min(2 * record.interval, MAX_EXPLORE_EVERY)
+    self._cache = {}
+    if self.measured:
+      self._update()
+
+  def _next(self) -> Any:
+    """The next batch's choice while no other choice than the running one is in flight: the
+    running choice, the plain decoder beside the model's choice while the guard needs it and
+    it may be faster, or the bandit's (`_explore`)."""
+    if not self.measured or not self.records[self.current].batches:
+      return self.current  # the first batch, or the model's new choice
+    if self._follows_model():
+      plain = self.line[0]
+      beside = self._guards() and (not self.records[plain].batches or self._optimism(plain) > 0)
+      return plain if beside else self.current
+    if self.current not in self.line:  # (a tree the schedule named, before any acceptance)
+      return self.current
+    return self._explore()
+
+  def _explore(self) -> Any:
+    """The bandit's exploration: a measured choice that may be faster (the one that may gain
+    most), the plain decoder untried, an untried neighbour downhill, or a due re-measure."""
+    others = [c for c in self.line if c != self.current]
+    hopeful = [c for c in others if self._optimism(c) > 0]
+    if hopeful:
+      return max(hopeful, key=self._optimism)
+    plain = self.line[0]
+    if plain != self.current and not self.records[plain].batches:
+      return plain  # (time on it is never lost against decoding without speculation)
+    i = self.line.index(self.current)
+    for step in (1, -1):  # the more speculative first, where greedy decoding gains most
+      j, k = i + step, i - step
+      other_side = self.line[k::-step] if 0 <= k < len(self.line) else ()
+      behind = [self._gain(c)[0] for c in other_side if self.records[c].batches]
+      if (0 <= j < len(self.line) and not self.records[self.line[j]].batches and behind and
+          behind[0] < 0):
+        return self.line[j]  # the step from the other side saved time: keep going
+    due = [c for c in others if self._due(c, i)]
+    if not due:
+      return self.current
+    choice = min(due, key=lambda c: self.records[c].last)  # the longest unmeasured first
+    self.records[choice].interval *= 2  # (re-measuring costs ever less)
+    return choice
+
+  def _due(self, choice: Any, i: int) -> bool:
+    """Whether `choice` is due for a (re-)measure: its interval (EXPLORE_EVERY, doubling each
+    time) is up since its last batch or the job's start, and, untried, it neighbours the
+    running choice (line index i) or lies past a measured choice that may be faster."""
+    record, j = self.records[choice], self.line.index(choice)
+    if self.batches - record.last < record.interval:
+      return False
+    if record.batches or abs(j - i) == 1:
+      return True
+    between = self.line[j - int(np.sign(j - i))]
+    return self._optimism(between) > 0
+
+  def choose(self, explore: bool = True) -> Any:
+    """The choice for the next batch (the running one unless `explore`), process 0's in a
+    multi-host job (all run one program)."""
+    # (An exploration follows a batch of the running choice: its comparison, and in a loop
+    # without batches in flight, the running choice's own progress.)
+    explore = explore and self._previous == self.current
+    choice = self._next() if explore else self.current
+    self._previous = choice
+    if self.measured and jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      index = multihost_utils.broadcast_one_to_all(np.int32(self.choices.index(choice)))
+      choice = self.choices[int(index)]
+    return choice
 
   def stream(self, items: Iterable[Any], run: Callable[[Any, Any], Any],
-             prepare: Optional[Callable[[Any, Any], bool]] = None, in_flight: int = IN_FLIGHT
+             prepare: Optional[Callable[[Any, Any], bool]] = None, in_flight: int = 2
              ) -> Iterator[Tuple[Any, Any, Any]]:
     """Decodes `items` in order, `in_flight` batches dispatched ahead: (item, choice, outputs).
 
     run(choice, item) -> (decodes, aux) dispatches a batch; its result is awaited only once
     `in_flight` later batches are dispatched, as a fixed decoder's loop over batches runs (the
     host's work on a batch overlaps the decoding of those before it, and on 2 cores two batches
-    decode side by side). A batch's time runs from the previous batch's result to its own: the
-    job's wall time, shared out. Without a model the first batch is awaited before the next is
-    chosen: the search starts from its time. With one, the first batch runs the model's choice,
-    and the batches dispatched before it lands run it too: awaiting it alone cost a 6-batch job
-    at batch 32 1-3% here (two batches side by side decode faster than one after the other),
-    while a search delayed by IN_FLIGHT batches cost simulated uncalibrated jobs up to 1%. While
-    a batch of another choice than the running one (exploration) is in flight, the next batches
-    run the running choice.
+    decode side by side: timing each batch alone cost the target alone 10% and gamma 3 5% at
+    batch 1). A batch's time runs from the previous batch's result to its own: the job's wall
+    time, shared out. Without a model the first batch is awaited before the next is chosen: the
+    search starts from its time. With one, the first batch runs the model's choice, and the
+    batches dispatched before it lands run it too: awaiting it alone cost a 6-batch job at
+    batch 32 1-3% here (two batches side by side decode faster than one after the other).
+    While a batch of another choice than the running one is in flight, the next batches run
+    the running choice.
     prepare(choice, item) -> whether it compiled (and warmed up) a new executable: the batches
     in flight then shared the cores with the compiler, and their times are not recorded.
     """
@@ -614,7 +523,7 @@ class DecodingPolicy:
 
     for item in items:
       while (pending and self.measured and self.model is None and
-             not self.records[self.current].count):
+             not self.records[self.current].batches):
         yield land()  # a job's first batch: an uncalibrated search starts from its time
       choice = self.choose(explore=all(c == self.current for _, c, _ in pending))
       if prepare is not None and prepare(choice, item):
@@ -635,8 +544,8 @@ class DecodingPolicy:
     return choice, outputs
 
   def summary(self) -> Dict[str, Any]:
-    """The measurements ({} for a fixed decoder): per choice tried, batches and median ms per
-    output position; the best; whether the job was too short to search (fallback only)."""
+    """The measurements ({} for a fixed decoder): per choice tried, batches and ms per output
+    position over its window; the best; whether the job ran only the fallback."""
     if not self.measured:
       return {}
     tried = {c: r for c, r in self.records.items() if r.batches}
@@ -650,12 +559,13 @@ class DecodingPolicy:
 
   def _model_summary(self) -> Dict[str, Any]:
     """The model's view ({} without a model): the observed acceptance, the choice it predicts
-    fastest and its predicted ms per output position of each choice measured, beside the
-    measured ones (`summary`'s)."""
+    fastest, its predicted ms per output position of each choice, and whether the guard
+    dropped it."""
     alpha = self.alpha()
     if self.model is None or alpha is None:
       return {}
     return {'model': {'alpha': round(alpha, 4), 'predicted_best': _json(self.predicted()),
+                      'dropped': self.dropped,
                       'predicted_ms_per_position': {
                           costs.choice_name(c): round(self._predicted_ms(c), 4)
                           for c in self.choices if self.model.prices(c)}}}
@@ -690,8 +600,7 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   (`DecodingPolicy`'s `model`) when the calibration has one, the trees it priced among its
   choices (`modelled`); a calibration made at another temperature than the job's is not used.
   Under branching='auto' a beam search calibration of num_decodes beams (the job's beam size)
-  gives the batch size's model: the first batch runs the tree it predicts fastest, and choices
-  it predicts much slower are not explored early.
+  gives the batch size's model, which the policy follows likewise.
   policy_kwargs go to `DecodingPolicy` (window, explore_every, clock).
   """
   name = _name(model.decode_fn)
@@ -709,7 +618,8 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
     if isinstance(start, tuple) and start not in tree_choices:
       start = None  # a tree that this batch size's model does not price
     fallback = start if isinstance(start, tuple) else min(
-        fallback_gamma(temperature, batch_size) if start is None else start, max_gamma)
+        fallback_gamma(temperature, batch_size, max_gamma) if start is None else start,
+        max_gamma)
     return (DecodingPolicy(range(max_gamma + 1), 'gamma', fallback, modelled=tree_choices,
                            **policy_kwargs),
             gamma_decoders(model, decode_kwargs, max_gamma, tree_choices))
@@ -717,7 +627,7 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
       decode_kwargs.get('branching') == AUTO):
     priced = (calibration.model(batch_size) if calibration is not None and
               calibration.fits_beams(num_decodes) else None)
-    fallback = FALLBACK_TREE
+    fallback = TREES[0]
     if priced is not None:  # beam steps per call are the trees' lifts over an acceptance of 0
       policy_kwargs.setdefault('model', priced)
       policy_kwargs.setdefault('prior_alpha', 0.0)
@@ -728,16 +638,17 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
   return DecodingPolicy((None,)), {None: model}
 
 
-def fallback_gamma(temperature: Any, batch_size: Optional[int] = None) -> int:
-  """The gamma of a job's first batch: FALLBACK_GAMMA when greedy; when sampling,
-  ONE_ROW_SAMPLING_FALLBACK_GAMMA at batch size 1, SAMPLING_FALLBACK_GAMMA at batch sizes up
-  to SAMPLING_FALLBACK_ROWS, else 0 (the target alone; also when the batch size is not known)."""
+def fallback_gamma(temperature: Any, batch_size: Optional[int] = None,
+                   max_gamma: int = MAX_GAMMA) -> int:
+  """The gamma of an uncalibrated job's first batch: max_gamma for one row, else
+  FALLBACK_GAMMA when greedy and SAMPLING_FALLBACK when sampling (the target alone above its
+  rows, or for batches of an unknown size)."""
+  if batch_size == 1:
+    return max_gamma
   if np.all(np.asarray(temperature) == 0.0):
     return FALLBACK_GAMMA
-  if batch_size == 1:
-    return ONE_ROW_SAMPLING_FALLBACK_GAMMA
-  small = batch_size is not None and batch_size <= SAMPLING_FALLBACK_ROWS
-  return SAMPLING_FALLBACK_GAMMA if small else 0
+  rows, gamma = SAMPLING_FALLBACK
+  return gamma if batch_size is not None and batch_size <= rows else 0
 
 
 def gamma_decoders(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],

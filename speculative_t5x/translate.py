@@ -97,7 +97,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument('--gamma', default=policy.AUTO,
                       help="draft tokens per target call, or 'auto' (default): chosen per "
                            'batch from measured batch times, gamma 0 (the target alone) '
-                           f'included; the first batch runs gamma {policy.FALLBACK_GAMMA}')
+                           f'included; the first batch runs gamma {policy.FALLBACK_GAMMA} '
+                           f'({policy.MAX_GAMMA} for a single sentence)')
   parser.add_argument('--batch_size', default=8,
                       help='at most this many sentences per batch (default 8; fewer sentences: '
                            'one batch of exactly that many, so no padding rows are decoded)')

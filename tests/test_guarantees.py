@@ -146,5 +146,5 @@ def test_sampling_through_the_policy_samples_the_target():
     samples.append(np.asarray(decodes))
   p_value = _p_value(np.concatenate(samples), 1.0)
   print(f'speculative sampling through the policy, gammas {chosen}: p={p_value:.3g}')
-  assert chosen == [1, 0, 2, 2]
+  assert chosen == [1, 0, 1, 2]  # (an exploration follows a batch of the running choice)
   assert p_value > SAME, 'sampling through the policy is not the target\'s sampler'

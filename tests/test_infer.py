@@ -206,9 +206,9 @@ def test_input_length_step_keeps_the_predictions(setup, tmp_path):
 
 def test_beam_size_reaches_the_decoder(setup, tmp_path, monkeypatch):
   """num_decodes is the beam size; the job writes each example's best beam (exact decoders)."""
-  # An untried tree counts as free to explore, so that this 8-example job tries one (the
+  # An untried tree is due at once, so that this 8-example job tries one (the exploration
   # budget would otherwise keep a short job on beam_search) and each example records its own.
-  monkeypatch.setattr(policy, 'PRIOR_SLOWDOWN', 0.0)
+  monkeypatch.setattr(policy, 'EXPLORE_EVERY', 1)
   source = tmp_path / 'in.txt'
   source.write_text('\n'.join(_german_lines(8)) + '\n', encoding='utf-8')
   outputs = {}
