@@ -214,9 +214,8 @@ def test_split(data_dir: Optional[str]) -> Tuple[List[str], List[str]]:
   """(German sources, English references) of test_2016_flickr; exits with one line if absent."""
   try:
     return data.load_split('test', data_dir=data_dir)
-  except FileNotFoundError as e:
-    raise SystemExit(f'error: Multi30k not found ({e}); pass --data_dir or set '
-                     f'{data.DATA_ENV_VAR}.') from None
+  except data.DataNotFound as e:
+    raise SystemExit(f'error: {e}') from None
 
 
 @functools.lru_cache(maxsize=None)

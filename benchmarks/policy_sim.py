@@ -1,37 +1,26 @@
 """The decoding policy offline: simulated jobs against every fixed choice, in seconds, no decoders.
 
-  python -m benchmarks.policy_sim --seeds 30
+  python -m benchmarks.policy_sim --seeds 30 [--baseline_policy /tmp/policy_before.py]
 
 A `policy.DecodingPolicy` (with its injectable clock) decodes a stream of simulated batches
-(`DecodingPolicy.stream`, on a simulated device that runs them in dispatch order): each
-batch's output positions are the longest of its sentences (output lengths of the first
-test_2016_flickr references, tokens and EOS, in file order, `LENGTHS`), and its time under a
-choice is a cost model, per batch size and decoder, calibrated on speed runs (`SCENARIOS`):
+(`DecodingPolicy.stream`, on a simulated device that runs them in dispatch order). A batch's
+output positions are the longest of its sentences' (the first test_2016_flickr references,
+`LENGTHS`); its time under a choice is a cost model per batch size and decoder, calibrated on
+speed runs (`SCENARIOS`):
 
   ms = (fixed + per_position[choice] * positions) * machine[batch] * noise[batch, choice]
 
-fixed: the encoder and per-batch overhead, the same for every choice; per_position such that the
-choice's mean batch time is the plain decoder's over its measured speedup; machine: the shared
-machine's speed, the same for every choice at a batch (slow drift in log space and rare spikes:
-another process compiling); noise: per batch and choice, log-normal (a speculative choice's also
-varies with the sentence's acceptance). Every fixed choice is timed on the same batches with the
-same draws, so the comparison is the benchmark's interleaved one without its noise between
-rounds.
+fixed: the encoder and per-batch overhead; per_position: the choice's measured speedup over the
+plain decoder; machine: the shared machine's drift and rare spikes, the same for every choice;
+noise: log-normal per batch and choice. Every fixed choice runs the same batches and draws.
 
-A job is `passes` passes over the sentences with one policy. Reported per scenario, over --seeds
-seeds: the policy's time on the first pass (a fresh job, its whole search included, as
-benchmarks.speed times 'auto') and on the later passes (a long job's later batches, the
-measurements carried over), relative to the best fixed choice and to the plain decoder (> 1:
-the policy is faster), and the batches it ran per choice. Deterministic for a seed. Writes
-runs/<machine>/policy_sim.json and .md (`--out_dir`).
-
-  python -m benchmarks.policy_sim --seeds 30 --baseline_policy /tmp/policy_before.py
-
-also simulates the `DecodingPolicy` (and `fallback_gamma`) of another policy.py, e.g. `git show
-HEAD:speculative_t5x/policy.py > /tmp/policy_before.py`, on the same draws, and puts both in one
-table. --model_error E gives each job a calibration's model instead (policy_sim_calibrated): the
-cost model's own per-position costs, each choice's off by a uniform draw within +-E (per seed),
-checked to E, its first batch the model's pick, as `policy.plan` does with a calibration.
+Per scenario, over --seeds seeds: the policy's time on a job's first pass (its whole search
+included, as benchmarks.speed times 'auto') and on later passes (the measurements carried
+over), relative to the best fixed choice and to the plain decoder (> 1: faster), and its batches
+per choice. Deterministic for a seed. --baseline_policy also simulates another policy.py (e.g.
+`git show HEAD:speculative_t5x/policy.py`) on the same draws, in one table. --model_error E
+gives each job a calibration's model (policy_sim_calibrated): the cost model's per-position
+costs, each off by a uniform draw within +-E, checked to E, the first batch its pick.
 """
 
 from __future__ import annotations

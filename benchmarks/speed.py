@@ -10,15 +10,11 @@ against speculative gamma 2, at batch 1 and 8. Everything else is opt-in ('auto'
 gammas 0-4, a minute or more per batch size here); the runs behind the README's table are
 scripts/reproduce_results.sh.
 
-Per batch size the same sentences go through target-only decoding (the baseline), speculative
-decoding at each --gammas (gamma='auto': chosen per batch from measured batch times, as the
-infer job does), optionally adaptive gamma, the same at temperature 1 for --sampling_gammas,
-BiLD at each --bild (fallback, rollback) pair, and beam_search against speculative beam search
-for each --beams beam:branching pair, all timed round-robin (benchmarks.harness). Each pass of
-a sampled configuration draws its own samples: its speed is an expectation over draws.
---dtype bfloat16 runs the pair as the infer job does with dtype=bfloat16: 'same as greedy' then
-counts the rows equal to bfloat16 target-only greedy (a verify call and a one-token step round
-differently: docs/studies.md).
+Per batch size the same sentences go through the target alone (the baseline), speculative
+decoding at each --gammas ('auto' as the infer job runs it), the same at T=1 for
+--sampling_gammas, BiLD per --bild pair and beam_search against speculative beam search per
+--beams pair, timed round-robin (benchmarks.harness); a sampled pass draws its own samples.
+--dtype bfloat16: 'same as greedy' counts rows equal to bfloat16 target-only greedy.
 
 Per configuration: ms per sentence (compile_s apart), speedup over the baseline of the same
 temperature (median over rounds, with its range), per output token (each round's tokens its own;
@@ -95,9 +91,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[Any, List[Setting]]:
                  help="a calibration.json of speculative-t5x-calibrate: gamma='auto' rows at its "
                       "temperature start at its schedule and follow its model (made with "
                       "--beam_size: branching='auto' rows of that beam size start where it says)")
-  p.add_argument('--baseline_policy', default=None, metavar='FILE',
-                 help="another policy.py (e.g. an older one from git): every 'auto' row runs "
-                      'under it too, in the same rounds')
+  p.add_argument('--baseline_policy', default=None, metavar='FILE', help="another policy.py "
+                 "(e.g. an older one from git): every 'auto' row again under it, same rounds")
   p.add_argument('--dtype', default=None, choices=('float32', 'bfloat16'),
                  help='parameters and activations (default: as stored, float32)')
   p.add_argument('--target', default=str(pipeline.EMBEDDED_TARGET))

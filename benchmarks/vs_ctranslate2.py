@@ -2,23 +2,18 @@
 
   python -m benchmarks.vs_ctranslate2 --sentences 1:64,8:192,32:320 --gammas 2,4 --rounds 3
 
-Needs CTranslate2, transformers and torch (its T5 converter) and sacrebleu (`pip install -e
-'.[bench]'`); without them it stops with one line before anything is compiled. The embedded
-target is exported as a Hugging Face folder (`hf.save_hf_t5`) and converted by CTranslate2 with
-float32 and int8 weights in a process of its own (torch never enters the timed ones), given the
-project's SentencePiece pieces: both engines see the same input ids and their outputs are
-compared as ids. Ours: target-only greedy, greedy speculative at each --gammas, beam search
-(--beam, brevity penalty 0.6), on the harness's batches. CTranslate2's (a spawned process,
-inter_threads=1, intra_threads=--ct2_threads): greedy and beam search (length_penalty 0.6, the
-same normalisation) per compute type, the same sentences in the same groups.
+Needs CTranslate2, transformers, torch and sacrebleu (`pip install -e '.[bench]'`; without them,
+one line before anything compiles). The target is exported as a Hugging Face folder and
+converted to float32 and int8 in a process of its own, with the project's SentencePiece pieces,
+so both engines see the same ids. Ours: target-only greedy, speculative greedy at each --gammas,
+beam search (--beam, brevity penalty 0.6). CTranslate2's (a spawned process, inter_threads=1,
+intra_threads=--ct2_threads): greedy and beam search per compute type, on the same groups.
 
-Each round runs one engine's passes round-robin, then the other's, the first alternating
-between rounds; while one engine is timed the other waits on a pipe, so that their threads
-never share the cores. Speedups: the median over rounds of our target-only greedy pass time
-(and our pass of the same search) over the configuration's in the same round. Per batch size
-also the fraction of sentences whose ids equal ours, and rows per target call against the
-machine's crossover from weight-bandwidth-bound to arithmetic-bound (`harness.probe_machine`).
-Writes vs_ctranslate2.json (after every batch size) and vs_ctranslate2.md.
+Each round times one engine's passes round-robin, then the other's (alternating which first);
+the waiting engine blocks on a pipe, so their threads never share the cores. Speedups: the
+median over rounds of our target-only greedy pass (and our pass of the same search) over the
+configuration's; per batch size also the share of ids equal to ours and rows per target call
+against the machine's bandwidth/arithmetic crossover (`harness.probe_machine`).
 """
 
 from __future__ import annotations
