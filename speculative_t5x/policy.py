@@ -12,11 +12,11 @@ plain decoder to the most speculative:
                                                 its model predicts one fastest)
   speculative_beam_search, branching='auto'     () (beam_search itself), (1,), (2,), (4,), (8,)
 
-and a `DecodingPolicy` picks one per batch, by the rule docs/decoding.md states: with a
+and a `DecodingPolicy` picks one per batch, by the rule docs/policy.md states: with a
 calibration, the choice its model predicts fastest at the job's counted acceptance, with the
-plain decoder timed beside it where the model cannot tell them apart (it is dropped if that is
-surely faster); without one, a bandit over the candidates (`DecodingPolicy._explore`). Every
-batch is a real batch of the job, its cost its share of the job's wall time over its longest
+plain decoder timed beside it at doubling intervals where the model cannot tell them apart (it
+is dropped if that is surely faster); without one, a bandit over the candidates
+(`DecodingPolicy._explore`). Every batch is a real batch of the job, its cost its share of the job's wall time over its longest
 output's positions, and two choices are compared within blocks of `WINDOW` consecutive batches:
 the machine's speed drifts by more than the differences sought.
 
@@ -426,14 +426,17 @@ class DecodingPolicy:
 
   def _next(self) -> Any:
     """The next batch's choice while no other choice than the running one is in flight: the
-    running choice, the plain decoder beside the model's choice while the guard needs it and
-    it may be faster, or the bandit's (`_explore`)."""
+    running choice, the plain decoder beside the model's choice where the guard needs it and
+    it is due (`_interval_up`: a short job never pays for the guard), or the bandit's
+    (`_explore`)."""
     if not self.measured or not self.records[self.current].batches:
       return self.current  # the first batch, or the model's new choice
     if self._follows_model():
       plain = self.line[0]
-      beside = self._guards() and (not self.records[plain].batches or self._optimism(plain) > 0)
-      return plain if beside else self.current
+      if self._guards() and self._interval_up(plain):
+        self.records[plain].interval *= 2  # (guarding costs ever less)
+        return plain
+      return self.current
     if self.current not in self.line:  # (a tree the schedule named, before any acceptance)
       return self.current
     return self._explore()
@@ -463,12 +466,18 @@ class DecodingPolicy:
     self.records[choice].interval *= 2  # (re-measuring costs ever less)
     return choice
 
+  def _interval_up(self, choice: Any) -> bool:
+    """Whether `choice`'s interval (EXPLORE_EVERY, doubling each time it runs off the running
+    choice) is up since its last batch or the job's start."""
+    record = self.records[choice]
+    return self.batches - record.last >= record.interval
+
   def _due(self, choice: Any, i: int) -> bool:
-    """Whether `choice` is due for a (re-)measure: its interval (EXPLORE_EVERY, doubling each
-    time) is up since its last batch or the job's start, and, untried, it neighbours the
-    running choice (line index i) or lies past a measured choice that may be faster."""
+    """Whether `choice` is due for a (re-)measure: its interval is up (`_interval_up`), and,
+    untried, it neighbours the running choice (line index i) or lies past a measured choice
+    that may be faster."""
     record, j = self.records[choice], self.line.index(choice)
-    if self.batches - record.last < record.interval:
+    if not self._interval_up(choice):
       return False
     if record.batches or abs(j - i) == 1:
       return True

@@ -183,38 +183,41 @@ def test_follows_the_model_to_its_argmin_at_the_observed_alpha():
 
 def test_the_guard_drops_a_model_that_the_plain_decoder_beats():
   """The model prices gamma 1 2% ahead of the plain decoder, within its 5% error, so the plain
-  decoder runs beside it; measured 20% faster, it takes over and the model is dropped."""
+  decoder runs beside it once due (EXPLORE_EVERY batches into the job); measured 20% faster, it
+  takes over and the model is dropped."""
   decoding_policy = policy.DecodingPolicy(
       range(5), 'gamma', 1, **_sim_model({0: 1.0, 1: 0.98, 2: 1.2, 3: 1.3, 4: 1.4}, 0.05))
   machine = {0: 1.0, 1: 1.25, 2: 1.4, 3: 1.5, 4: 1.6}
-  chosen, _ = _calibrated_job(decoding_policy, machine, 40)
-  # (Called batch by batch, without batches in flight: an exploration follows a batch of the
-  # running choice.)
-  assert chosen[:4] == [1, 0, 1, 0] and decoding_policy.dropped and decoding_policy.best() == 0
-  assert chosen[4:].count(0) >= len(chosen) - 6  # (the bandit from there: gamma 1 when due)
+  due = policy.EXPLORE_EVERY
+  chosen, _ = _calibrated_job(decoding_policy, machine, due + 20)
+  assert chosen[:due] == [1] * due  # (a job shorter than that never pays for the guard)
+  assert chosen[due] == 0 and decoding_policy.dropped and decoding_policy.best() == 0
+  assert chosen[due:].count(0) >= 18  # (the bandit from there: gamma 1 when due)
   assert decoding_policy.summary()['model']['dropped']
 
 
 def test_the_guard_leaves_a_clear_pick_alone_unless_the_model_is_off_on_the_job():
   """The model prices gamma 4 40% ahead of the plain decoder, checked to 3%: the plain decoder
   never runs while the machine agrees. Where gamma 4 runs twice as slow as priced, the model's
-  error on this job widens the guard: the plain decoder runs beside it and, faster, takes
-  over."""
+  error on this job widens the guard: the plain decoder runs beside it when due and, faster,
+  takes over."""
   priced = {0: 1.0, 1: 0.8, 2: 0.7, 3: 0.65, 4: 0.6}
   agreeing = policy.DecodingPolicy(range(5), 'gamma', 4, **_sim_model(priced))
-  assert set(_calibrated_job(agreeing, priced, 60)[0]) == {4}
+  assert set(_calibrated_job(agreeing, priced, 100)[0]) == {4}
   off = policy.DecodingPolicy(range(5), 'gamma', 4, **_sim_model(priced))
-  chosen, _ = _calibrated_job(off, {**priced, 4: 1.2}, 80)
-  assert chosen[:4] == [4, 0, 4, 0] and off.dropped
+  due = policy.EXPLORE_EVERY
+  chosen, _ = _calibrated_job(off, {**priced, 4: 1.2}, due + 80)
+  assert chosen[:due + 1] == [4] * due + [0] and off.dropped
   assert off.best() == 3  # (the bandit from there, as uncalibrated, finds gamma 3)
 
 
-def test_an_unchecked_model_gets_the_plain_decoder_timed_beside_it():
+def test_an_unchecked_model_gets_the_plain_decoder_timed_beside_it_at_doubling_intervals():
   priced = {0: 1.0, 1: 0.8, 2: 0.7, 3: 0.65, 4: 0.6}
   decoding_policy = policy.DecodingPolicy(range(5), 'gamma', 4, **_sim_model(priced, None))
-  chosen, _ = _calibrated_job(decoding_policy, priced, 60)
-  assert 0 in chosen and chosen.count(0) <= 3 and decoding_policy.best() == 4
-  assert not decoding_policy.dropped
+  chosen, _ = _calibrated_job(decoding_policy, priced, 200)
+  due = policy.EXPLORE_EVERY
+  assert [i for i, c in enumerate(chosen) if c == 0] == [due, 3 * due + 1]
+  assert decoding_policy.best() == 4 and not decoding_policy.dropped
 
 
 # ---------------------------------------------------------------------------------------------
