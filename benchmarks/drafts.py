@@ -80,18 +80,17 @@ def load_drafts(target: str, drafts: Mapping[str, str], sources: Sequence[str],
       raise SystemExit(f'error: draft {name} ({path}) has vocab_size '
                        f'{pair.draft_config.vocab_size}, the target '
                        f'{pair.target_config.vocab_size}.')
-    reads = None if pair.draft_config.has_encoder else (pair.target_config,
-                                                          pair.params['target'])
-    outputs = evaluation.translate(
+    reads = None if pair.draft_config.has_encoder else (pair.target_config, pair.params['target'])
+    outputs = None if pair.draft_config.feature_width else evaluation.translate(  # (no features)
         pair.draft_config, pair.params['draft'], data.encode(sources, harness.INPUT_LENGTH),
         harness.INPUT_LENGTH, harness.OUTPUT_LENGTH, encoder=reads)
     info[name] = {
         'path': harness.repo_path(path), 'params': harness.param_count(pair.params['draft']),
         'c_hat': (pair.draft_config.decode_flops_per_token() /
                   pair.target_config.decode_flops_per_token()),
-        'bleu_alone': data.corpus_bleu([pair.vocabulary.decode(o) for o in outputs], references),
-        'bleu_sentences': len(sources)}
-    print(f"draft {name}: BLEU alone {info[name]['bleu_alone']:.2f}", flush=True)
+        'bleu_alone': outputs and data.corpus_bleu([pair.vocabulary.decode(o) for o in outputs],
+                                                   references), 'bleu_sentences': len(sources)}
+    print(f"draft {name}: BLEU alone {harness.fmt(info[name]['bleu_alone'], '.2f')}", flush=True)
   return pairs, info
 
 
@@ -126,7 +125,7 @@ def markdown(results: Mapping[str, Any]) -> str:
   lines += harness.table(
       ('draft', 'path', 'params', 'c_hat', 'BLEU alone'),
       [[name, d['path'], f"{d['params']:,}", f"{d['c_hat']:.3f}",
-        f"{d['bleu_alone']:.2f} ({d['bleu_sentences']} sentences)"]
+        f"{harness.fmt(d['bleu_alone'], '.2f')} ({d['bleu_sentences']} sentences)"]
        for name, d in results['drafts'].items()]) + ['']
   if results.get('acceptance'):
     gammas = results['meta']['gammas']

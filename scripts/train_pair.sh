@@ -20,8 +20,10 @@
 #   8 two-layer decoder-only draft multi30k_draft_decoder_only_2layers.gin
 #                       -> OUT/draft_decoder_only_2layers.msgpack (stage 6 with a second decoder
 #     layer, 3,600 s; speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack)
-# Then, with stage 8: the drafts' vocabulary (OUT/draft.msgpack.vocabulary.json and
-# OUT/draft_decoder_only_2layers.msgpack.vocabulary.json, the tokens of train.en; docs/engine.md).
+#   9 feature draft     multi30k_feature_draft.gin          -> OUT/feature_draft.msgpack
+#     (stage 8's draft reading the target's decoder state, with training-time test)
+# Then, with stages 8 and 9: the drafts' vocabulary (OUT/<draft>.msgpack.vocabulary.json for
+# draft, draft_decoder_only_2layers and feature_draft: the tokens of train.en; docs/engine.md).
 #
 # Every path a stage reads or writes is redirected into OUT, so the shipped weights in
 # speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
@@ -33,7 +35,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/pair}"
 FIRST="${FIRST:-1}"
-LAST="${LAST:-8}"
+LAST="${LAST:-9}"
 DRY_RUN="${DRY_RUN:-}"
 [[ -n "$DRY_RUN" ]] || mkdir -p "$OUT"
 
@@ -86,12 +88,18 @@ stage 8 draft_decoder_only_2layers multi30k_draft_decoder_only_2layers.gin "$tea
   --gin.train.encoder="'$OUT/target.msgpack'" \
   --gin.train.init_from="'$OUT/draft.msgpack'" \
   --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+stage 9 feature_draft multi30k_feature_draft.gin "$teacher" \
+  --gin.train.encoder="'$OUT/target.msgpack'" \
+  --gin.train.init_from="'$OUT/draft_decoder_only_2layers.msgpack'" \
+  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
 if (( LAST >= 8 )); then
+  drafts=("$OUT/draft.msgpack" "$OUT/draft_decoder_only_2layers.msgpack")
+  (( LAST < 9 )) || drafts+=("$OUT/feature_draft.msgpack")
   vocabulary=("${PYTHON:-python}" -c 'import sys
 from speculative_t5x import checkpoints, data
 for path in sys.argv[1:]:
   print(checkpoints.write_draft_vocabulary(path, data.caption_vocabulary(), data.CAPTION_VOCABULARY_SOURCE))' \
-    "$OUT/draft.msgpack" "$OUT/draft_decoder_only_2layers.msgpack")
+    "${drafts[@]}")
   if [[ -n "$DRY_RUN" ]]; then printf '%q ' "${vocabulary[@]}"; echo; else "${vocabulary[@]}"; fi
 fi
-[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack, draft_decoder_only_2layers.msgpack)."
+[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack, draft_decoder_only_2layers.msgpack, feature_draft.msgpack)."

@@ -82,12 +82,16 @@ class DecodingState:
   cache:     the model's cache (a `network.DecoderCache`, or T5X's flax 'cache' collection).
   logits_at: optional [batch] int32 (not in T5X): only token logits_at[b]'s logits are needed,
              so a tokens_to_logits may return [batch, 1, vocab]; one that ignores it returns all.
+  features:  optional (not in T5X), a feature draft's input: the target's top hidden states
+             [batch, max_length, width] (`network.DecoderCache.features`), each token reading
+             the row of its position - 1.
   """
   cur_index: Array
   sequences: Array
   cur_token: Array
   cache: Any
   logits_at: Any = None
+  features: Any = None
 
 
 @flax.struct.dataclass
@@ -417,11 +421,12 @@ class Verdict(NamedTuple):
 
 
 def _call(fn: TokensToLogits, tokens: Array, index: Array, cache: Any, sequences: Array,
-          logits_at: Optional[Array] = None) -> Tuple[Array, Any]:
+          logits_at: Optional[Array] = None, features: Optional[Array] = None
+          ) -> Tuple[Array, Any]:
   """fn on tokens [batch, k] at index [batch] -> (logits [batch, k, vocab] float32, cache);
   with logits_at [batch], the logits of token logits_at[b] only: [batch, 1, vocab]."""
   logits, new_cache = fn(DecodingState(cur_index=index, sequences=sequences, cur_token=tokens,
-                                       cache=cache, logits_at=logits_at))
+                                       cache=cache, logits_at=logits_at, features=features))
   cache = match_container(new_cache, cache)
   if logits.ndim == 2:
     logits = logits[:, None, :]
@@ -453,6 +458,13 @@ class _LoopConfig(NamedTuple):
     sampling. Operand temperatures take the sampled branch, whose zero rows are one-hot."""
     return (is_static(self.temperature) and self.temperature <= MIN_TEMPERATURE and
             self.rule.greedy_accept is not None)
+
+
+def target_features(target_cache: Any) -> Optional[Array]:
+  """The target's top hidden states [batch, max_length, width] that a feature draft reads, or
+  None: a cache that keeps them (`network.DecoderCache.features`, made for a feature draft)
+  has them written by every target call, so they travel through every loop's state."""
+  return getattr(target_cache, 'features', None)
 
 
 def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, forced: Array,
@@ -490,11 +502,15 @@ def _draft_phase(cfg: _LoopConfig, state: LoopState, draft_fn: TokensToLogits, f
 
   # The draft cache may lack the previous iteration's last accepted proposal (when all were
   # accepted), so the first call re-feeds the previous token as well: rewriting an existing
-  # entry with the same token is a no-op.
-  start = jnp.maximum(state.length - 1, 0)
-  first_tokens = jnp.take_along_axis(state.sequences, start[:, None] + jnp.arange(2)[None], axis=1)
+  # entry with the same token is a no-op. A feature draft (`target_features`) re-feeds every
+  # position it drafted on its own features, up to gamma + 1 back, on the target's.
+  features = target_features(state.target_cache)
+  back = 1 if features is None else cfg.gamma
+  start = jnp.maximum(state.length - back, 0)
+  first_tokens = jnp.take_along_axis(state.sequences, start[:, None] + jnp.arange(back + 1)[None],
+                                     axis=1)
   logits, cache = _call(draft_fn, first_tokens, start, state.draft_cache, state.sequences,
-                        logits_at=state.length - start)
+                        logits_at=state.length - start, features=features)
   zeros = jnp.zeros((batch,), jnp.int32)
   draft = Draft(
       tokens=jnp.zeros((batch, cfg.gamma), jnp.int32),

@@ -50,6 +50,7 @@ def make_tokens_to_logits(module: network.Transformer, params: Params,
       return module.apply(variables, state.cur_token, cache, state.tree_depths, state.tree_mask,
                           method=network.Transformer.tree_step)
     return module.apply(variables, state.cur_token, cache, logits_at=state.logits_at,
+                        features=getattr(state, 'features', None),
                         method=network.Transformer.decode_step)
 
   return tokens_to_logits
@@ -152,6 +153,10 @@ class EncoderDecoderModel:
       raise ValueError(f'Draft and target EOS ids differ: target eos_id {self.eos_id}, '
                        f'draft eos_id {self.draft_eos_id}.')
     _check_reads(self.draft_config, self.target_config, 'draft')
+    width = self.draft_config.feature_width
+    if width and width != self.target_config.emb_dim:
+      raise ValueError(f'The feature draft reads features of width {width}, but the target has '
+                       f'emb_dim {self.target_config.emb_dim}.')
 
   # ---------------------------------------------------------------------------------------------
 
@@ -218,13 +223,14 @@ class EncoderDecoderModel:
 
   def _init_cache(self, module: network.Transformer, params: Params, encoder_input_tokens: Array,
                   max_length: int, decode_variables: Optional[Mapping[str, Any]] = None,
-                  encoded: Optional[Array] = None) -> network.DecoderCache:
+                  encoded: Optional[Array] = None, keep_features: bool = False
+                  ) -> network.DecoderCache:
     """An empty decoder cache over `encoded`, or over the module's own encoder output."""
     variables = {'params': params, network.DECODE_COLLECTION: decode_variables or {}}
     if module.config.has_encoder:
       encoded = module.apply(variables, encoder_input_tokens, method=network.Transformer.encode)
     return self.constrain_cache(
-        module.apply(variables, encoded, encoder_input_tokens, max_length,
+        module.apply(variables, encoded, encoder_input_tokens, max_length, keep_features,
                      method=network.Transformer.init_cache))
 
   def init_caches(self, params: Params, encoder_input_tokens: Array, max_length: int,
@@ -232,12 +238,15 @@ class EncoderDecoderModel:
                   ) -> Tuple[network.DecoderCache, Optional[network.DecoderCache]]:
     """A batch's empty (target cache, draft cache) for `max_length` decoder positions; the
     draft's is None without `with_draft` or when `decode_fn` takes no draft. A decoder-only draft
-    reads the target's encoder output, computed once."""
+    reads the target's encoder output, computed once; for a feature draft the target's cache
+    keeps its top hidden states (`network.DecoderCache.features`)."""
     prepared = params.get('decode', {})
     encoded = self._encode(params, encoder_input_tokens, prepared)
+    with_draft = self.uses_draft and with_draft
     cache = self._init_cache(self.module, params['target'], encoder_input_tokens, max_length,
-                             prepared.get('target'), encoded)
-    if not (self.uses_draft and with_draft):
+                             prepared.get('target'), encoded,
+                             bool(with_draft and self.draft_config.feature_width))
+    if not with_draft:
       return cache, None
     return cache, self._init_cache(self.draft_module, params['draft'], encoder_input_tokens,
                                    max_length, prepared.get('draft'), encoded)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import flax
 import flax.linen as nn
@@ -65,6 +65,11 @@ class T5Config:
     reads the target's encoder output, so a speculative decode runs one encoder): it has no
     `encoder` parameters (num_encoder_layers must be 0) and its cross-attention key/value
     projections take inputs of this width, the target's emb_dim.
+  feature_width: 0, or a feature draft (EAGLE-style; decoder-only, so encoded_width is set too):
+    its decoder's input at position p is `input_projection([token embedding; feature])`, the
+    feature being the target decoder's top hidden state at p - 1 (after its final norm, width
+    feature_width, the target's emb_dim) through `feature_projection`, or, at a position the
+    draft proposes beyond what the target has scored, its own top hidden state at p - 1.
   """
   vocab_size: int
   dtype: DType = jnp.float32
@@ -80,6 +85,7 @@ class T5Config:
   float32_attention_logits: bool = False
   float32_logits: bool = False
   encoded_width: int = 0
+  feature_width: int = 0
 
   def __post_init__(self):
     # Normalise so configs from gin/JSON (lists, dtype names) hash and compare equal.
@@ -91,6 +97,9 @@ class T5Config:
     if self.encoded_width and self.num_encoder_layers:
       raise ValueError(f'A decoder-only config (encoded_width {self.encoded_width}) has no '
                        f'encoder: set num_encoder_layers to 0, not {self.num_encoder_layers}.')
+    if self.feature_width and not self.encoded_width:
+      raise ValueError(f'A feature draft (feature_width {self.feature_width}) reads the '
+                       "target's encoder output: set encoded_width to the target's emb_dim.")
 
   @property
   def has_encoder(self) -> bool:
@@ -102,7 +111,8 @@ class T5Config:
     hd = self.num_heads * self.head_dim
     per_layer = 4 * self.emb_dim * hd + 2 * self.emb_dim * hd + (
         len(self.mlp_activations) + 1) * self.emb_dim * self.mlp_dim
-    return self.num_decoder_layers * per_layer + self.emb_dim * self.vocab_size
+    features = (self.feature_width + 2 * self.emb_dim) * self.emb_dim if self.feature_width else 0
+    return self.num_decoder_layers * per_layer + self.emb_dim * self.vocab_size + features
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,6 +478,10 @@ class DecoderCache:
                           [batch, heads, max_length, head_dim] (KEY_LAYOUT, VALUE_LAYOUT).
   cross_key, cross_value: per decoder layer, the same layouts over encoder_length.
   encoder_mask: [batch, encoder_length] bool, non-padding encoder positions.
+  features:     None, or (a target paired with a feature draft) [batch, max_length, emb], the
+                decoder's top hidden state (after its final norm) at each position written.
+  hidden:       None, or (a feature draft) [batch, emb], its own top hidden state at the
+                position of its last call's logits: the feature of the token it proposes next.
 
   Entries at positions >= index are never read, so `with_index` is a complete rollback.
   Every leaf has the batch on axis 0 (beam search and num_decodes expand/gather all leaves alike).
@@ -478,6 +492,8 @@ class DecoderCache:
   cross_key: Tuple[Array, ...]
   cross_value: Tuple[Array, ...]
   encoder_mask: Array
+  features: Optional[Array] = None
+  hidden: Optional[Array] = None
 
   @property
   def max_length(self) -> int:
@@ -487,7 +503,8 @@ class DecoderCache:
   def logical_axes(cls) -> 'DecoderCache':
     """Each field's logical axis names (for partitioning), in the structure of a cache."""
     return cls(index=('batch',), self_key=KEY_LAYOUT, self_value=VALUE_LAYOUT,
-               cross_key=KEY_LAYOUT, cross_value=VALUE_LAYOUT, encoder_mask=('batch', 'length'))
+               cross_key=KEY_LAYOUT, cross_value=VALUE_LAYOUT, encoder_mask=('batch', 'length'),
+               features=('batch', 'length', 'embed'), hidden=('batch', 'embed'))
 
   def with_index(self, index: Array) -> 'DecoderCache':
     """Moves each row to `index` [batch]; moving back discards what was written from there on."""
@@ -505,10 +522,12 @@ class DecoderCache:
     encoder input (the beams of one example): cross-attention entries are not moved.
     """
     index, self_key, self_value = self.index, self.self_key, self.self_value
+    features = self.features
     if source_rows is not None:
       take = lambda x: jnp.take(x, source_rows, axis=0)
       index, self_key, self_value = take(index), tuple(map(take, self_key)), tuple(
           map(take, self_value))
+      features = None if features is None else take(features)
     start = index[:, None]
     src = start + path  # [batch, n]
     dst = start + jnp.arange(path.shape[1])[None, :]
@@ -523,13 +542,15 @@ class DecoderCache:
       return value.at[rows, :, dst].set(jnp.moveaxis(moved, 2, 1), mode='drop')
 
     return self.replace(index=index + length, self_key=tuple(map(move_key, self_key)),
-                        self_value=tuple(map(move_value, self_value)))
+                        self_value=tuple(map(move_value, self_value)),
+                        features=None if features is None else move_value(features[:, None])[:, 0])
 
   def extend(self, extra: int) -> 'DecoderCache':
     """The same cache with `extra` more (empty) self-attention slots, room for a token tree."""
     pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
     return self.replace(self_key=tuple(pad(k, 3) for k in self.self_key),
-                        self_value=tuple(pad(v, 2) for v in self.self_value))
+                        self_value=tuple(pad(v, 2) for v in self.self_value),
+                        features=None if self.features is None else pad(self.features, 1))
 
 
 def _mask_bias(mask: Array) -> Array:
@@ -563,6 +584,15 @@ class Encoder(nn.Module):
     return self.dropout(self.encoder_norm(x), deterministic=deterministic)
 
 
+def _embedding_first(key: Array, shape: Tuple[int, int], dtype: DType) -> Array:
+  """A feature draft's `input_projection` kernel [2 emb, emb] at init: the embedding passed
+  through, the feature ignored, so a feature draft warm-started from a plain draft's weights
+  starts as that draft (its feature rows then learn from their gradient)."""
+  del key
+  emb = shape[1]
+  return jnp.concatenate([jnp.eye(emb, dtype=dtype), jnp.zeros((shape[0] - emb, emb), dtype)])
+
+
 class Decoder(nn.Module):
   config: T5Config
   shared_embedding: nn.Module
@@ -575,9 +605,28 @@ class Decoder(nn.Module):
     self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     if not cfg.logits_via_embedding:
       self.logits_dense = Dense((cfg.vocab_size,), ('embed', 'vocab'), dtype=jnp.float32)
+    if cfg.feature_width:  # (a small draft's: replicated, 'feature' has no mesh axis)
+      self.feature_projection = Dense((cfg.emb_dim,), ('feature', 'embed'), dtype=cfg.dtype)
+      self.input_projection = Dense((cfg.emb_dim,), ('feature', 'embed'), dtype=cfg.dtype,
+                                    kernel_init=_embedding_first)
 
-  def _logits(self, y: Array, deterministic: bool) -> Array:
-    y = self.dropout(self.decoder_norm(y), deterministic=deterministic)
+  def _inputs(self, tokens: Array, features: Optional[Array] = None,
+              own: Optional[Array] = None) -> Array:
+    """The first layer's input for tokens [batch, k]: their embeddings; for a feature draft,
+    `input_projection([embedding; feature])`, each token's feature its row of `features`
+    [batch, k, feature_width] (the target's, projected) or else of `own` [batch, k, emb] (the
+    draft's own top hidden states)."""
+    y = self.shared_embedding(tokens)
+    if not self.config.feature_width:
+      return y
+    if features is None and own is None:
+      raise ValueError('A feature draft needs the features of the positions before its tokens.')
+    feature = self.feature_projection(features) if features is not None else own
+    return self.input_projection(jnp.concatenate([y, feature.astype(y.dtype)], axis=-1))
+
+  def _logits(self, top: Array, deterministic: bool) -> Array:
+    """Logits of the top hidden states after the final norm (`decoder_norm`)."""
+    y = self.dropout(top, deterministic=deterministic)
     tied = self.config.logits_via_embedding
     # Tied: in the norm's dtype (float32 under float32_logits, else the config's); untied:
     # `logits_dense` multiplies in float32.
@@ -605,10 +654,15 @@ class Decoder(nn.Module):
   def __call__(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
                decoder_segment_ids: Optional[Array] = None,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, features: Optional[Array] = None,
+               own_features: Optional[Array] = None, return_features: bool = False
+               ) -> Union[Array, Tuple[Array, Array]]:
     """Teacher-forced decoder: [batch, length] inputs -> logits [batch, length, vocab] (float32).
 
-    As in T5X, positions where `decoder_target_tokens` is 0 are masked as padding.
+    As in T5X, positions where `decoder_target_tokens` is 0 are masked as padding. A feature
+    draft reads each position's feature (`_inputs`): features [batch, length, feature_width]
+    or own_features [batch, length, emb], row p the feature of position p - 1 (zero at 0).
+    return_features: (logits, top hidden states [batch, length, emb] after the final norm).
     """
     length = decoder_input_tokens.shape[1]
     valid = decoder_target_tokens > 0
@@ -622,13 +676,17 @@ class Decoder(nn.Module):
         cross_mask &= decoder_segment_ids[:, None, :, None] == encoder_segment_ids[:, None, None, :]
     self_bias = self.relpos_bias(positions[None], positions) + _mask_bias(self_mask)
     cross_bias = _mask_bias(cross_mask)
-    y = self.dropout(self.shared_embedding(decoder_input_tokens), deterministic=deterministic)
+    y = self.dropout(self._inputs(decoder_input_tokens, features, own_features),
+                     deterministic=deterministic)
     for layer in self.layers:
       y, _ = layer(y, self_bias, layer.cross_kv(encoded), cross_bias, deterministic=deterministic)
-    return self._logits(y, deterministic)
+    top = self.decoder_norm(y)
+    logits = self._logits(top, deterministic)
+    return (logits, top) if return_features else logits
 
   def decode_step(self, tokens: Array, cache: DecoderCache, num_new: Optional[Array] = None,
-                  logits_at: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
+                  logits_at: Optional[Array] = None, features: Optional[Array] = None
+                  ) -> Tuple[Array, DecoderCache]:
     """Appends tokens [batch, k] at each row's own `cache.index`; returns logits [batch, k, vocab].
 
     Token j of row b sits at position `cache.index[b] + j` and attends to every cached position
@@ -636,24 +694,36 @@ class Decoder(nn.Module):
     after their real tokens keep those entries beyond their index, where they are never read.
     logits_at: optional [batch] int32; then only token logits_at[b]'s logits are computed:
     [batch, 1, vocab] (the output projection is most of a small model's step).
+    features: a feature draft's [batch, max_length, feature_width], the target's `features`
+    cache: each token reads the row at its position - 1 (zero at position 0). Without them
+    (one token a row), it reads the draft's own `cache.hidden`.
     """
     k = tokens.shape[1]
     positions = cache.index[:, None] + jnp.arange(k)[None, :]  # [batch, k]
     key_positions = jnp.arange(cache.max_length)
     self_mask = key_positions[None, None, None, :] <= positions[:, None, :, None]
     self_bias = self.relpos_bias(positions, key_positions) + _mask_bias(self_mask)
-    logits, new_cache = self._cached_step(tokens, cache, positions, self_bias, logits_at)
+    own = None
+    if features is not None:
+      previous = jnp.clip(positions - 1, 0, features.shape[1] - 1)
+      features = jnp.where((positions > 0)[..., None],
+                           jnp.take_along_axis(features, previous[..., None], axis=1), 0)
+    elif cache.hidden is not None:
+      own = jnp.broadcast_to(cache.hidden[:, None], positions.shape + cache.hidden.shape[-1:])
+    inputs = self._inputs(tokens, features, own)
+    logits, new_cache = self._cached_step(inputs, cache, positions, self_bias, logits_at)
     advance = k if num_new is None else num_new
     return logits, new_cache.replace(index=cache.index + advance)
 
-  def _cached_step(self, tokens: Array, cache: DecoderCache, write_slots: Array,
+  def _cached_step(self, y: Array, cache: DecoderCache, write_slots: Array,
                    self_bias: Array, logits_at: Optional[Array] = None
                    ) -> Tuple[Array, DecoderCache]:
-    """Writes tokens [batch, k] at cache slots write_slots [batch, k], attends with self_bias
-    [batch, heads, k, max_length]; returns (logits [batch, k, vocab], or [batch, 1, vocab] at
-    the offsets logits_at [batch], cache, index unchanged)."""
+    """Writes the inputs y [batch, k, emb] (`_inputs`) at cache slots write_slots [batch, k],
+    attends with self_bias [batch, heads, k, max_length]; returns (logits [batch, k, vocab], or
+    [batch, 1, vocab] at the offsets logits_at [batch], cache, index unchanged). A cache with
+    `features` gets the top hidden states at the same slots; one with `hidden`, the one of the
+    last token (of token logits_at[b])."""
     cross_bias = _mask_bias(cache.encoder_mask[:, None, None, :])
-    y = self.shared_embedding(tokens)
     keys, values = [], []
     for i, layer in enumerate(self.layers):
       y, (key, value) = layer(y, self_bias, (cache.cross_key[i], cache.cross_value[i]), cross_bias,
@@ -663,7 +733,15 @@ class Decoder(nn.Module):
     new_cache = cache.replace(self_key=tuple(keys), self_value=tuple(values))
     if logits_at is not None:
       y = jnp.take_along_axis(y, logits_at[:, None, None], axis=1)
-    return self._logits(y, deterministic=True), new_cache
+    top = self.decoder_norm(y)
+    if cache.features is not None:
+      if logits_at is not None:
+        raise ValueError("A target's features are kept for every token it is fed: no logits_at.")
+      new_cache = new_cache.replace(
+          features=_write_rows(cache.features, top, write_slots, axis=1))
+    if cache.hidden is not None:
+      new_cache = new_cache.replace(hidden=top[:, -1].astype(cache.hidden.dtype))
+    return self._logits(top, deterministic=True), new_cache
 
   def tree_step(self, tokens: Array, cache: DecoderCache, tree_depths: Array,
                 tree_mask: Array) -> Tuple[Array, DecoderCache]:
@@ -696,7 +774,7 @@ class Decoder(nn.Module):
                                                               node.shape[1:]), axis=2)
     self_mask = (slots < start)[:, None, :] | (in_tree[:, None, :] & node_visible)
     self_bias = self.relpos_bias(positions, key_positions) + _mask_bias(self_mask[:, None])
-    return self._cached_step(tokens, cache, write_slots, self_bias)
+    return self._cached_step(self._inputs(tokens), cache, write_slots, self_bias)
 
 
 class Transformer(nn.Module):
@@ -721,36 +799,45 @@ class Transformer(nn.Module):
 
   def decode(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
              decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
-             decoder_segment_ids: Optional[Array] = None, enable_dropout: bool = False) -> Array:
-    """Teacher-forced decoding -> logits [batch, dec_length, vocab]."""
+             decoder_segment_ids: Optional[Array] = None, enable_dropout: bool = False,
+             **feature_args: Any) -> Union[Array, Tuple[Array, Array]]:
+    """Teacher-forced decoding -> logits [batch, dec_length, vocab]; feature_args
+    (features, own_features, return_features) as `Decoder.__call__`'s."""
     return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
                         decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
-                        deterministic=not enable_dropout)
+                        deterministic=not enable_dropout, **feature_args)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
                decoder_segment_ids: Optional[Array] = None, *,
-               enable_dropout: bool = False, encoded: Optional[Array] = None) -> Array:
+               enable_dropout: bool = False, encoded: Optional[Array] = None,
+               **feature_args: Any) -> Union[Array, Tuple[Array, Array]]:
     """Full teacher-forced forward pass -> logits [batch, dec_length, vocab] (float32).
 
     encoded: [batch, enc_length, encoded_width], the encoder output a decoder-only model reads
       (required for one, except at init, where a zero stand-in gives the parameters' shapes).
+    feature_args: `Decoder.__call__`'s (a feature draft's features; return_features).
     """
-    if encoded is None and not self.config.has_encoder and self.is_initializing():
-      encoded = jnp.zeros(encoder_input_tokens.shape + (self.config.encoded_width,),
-                          self.config.dtype)
+    cfg = self.config
+    if self.is_initializing() and not cfg.has_encoder and encoded is None:
+      encoded = jnp.zeros(encoder_input_tokens.shape + (cfg.encoded_width,), cfg.dtype)
+    if self.is_initializing() and cfg.feature_width and not feature_args:
+      feature_args = {'features': jnp.zeros(decoder_input_tokens.shape + (cfg.feature_width,),
+                                            cfg.dtype)}
     if encoded is None:
       encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout)
     return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
                        decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
-                       enable_dropout)
+                       enable_dropout, **feature_args)
 
   def init_cache(self, encoded: Array, encoder_input_tokens: Array,
-                 max_length: int) -> DecoderCache:
+                 max_length: int, keep_features: bool = False) -> DecoderCache:
     """An empty cache (every row at index 0) for `max_length` decoder positions.
 
     encoded [batch, enc_length, emb], encoder_input_tokens [batch, enc_length] (0 = padding).
-    Cross-attention keys/values are computed here, once.
+    Cross-attention keys/values are computed here, once. keep_features: a target's cache keeps
+    its top hidden states for a feature draft (`DecoderCache.features`); a feature draft's
+    cache always has its own `hidden`.
     """
     cfg = self.config
     batch = encoded.shape[0]
@@ -758,16 +845,21 @@ class Transformer(nn.Module):
     empty_key = jnp.zeros((batch, cfg.num_heads, cfg.head_dim, max_length), cfg.dtype)
     empty_value = jnp.zeros((batch, cfg.num_heads, max_length, cfg.head_dim), cfg.dtype)
     n = cfg.num_decoder_layers
-    return DecoderCache(index=jnp.zeros((batch,), jnp.int32), self_key=(empty_key,) * n,
-                        self_value=(empty_value,) * n, cross_key=tuple(k for k, _ in cross),
-                        cross_value=tuple(v for _, v in cross),
-                        encoder_mask=encoder_input_tokens > 0)
+    top_dtype = jnp.float32 if cfg.float32_logits else cfg.dtype  # (`decoder_norm`'s)
+    return DecoderCache(
+        index=jnp.zeros((batch,), jnp.int32), self_key=(empty_key,) * n,
+        self_value=(empty_value,) * n, cross_key=tuple(k for k, _ in cross),
+        cross_value=tuple(v for _, v in cross), encoder_mask=encoder_input_tokens > 0,
+        features=(jnp.zeros((batch, max_length, cfg.emb_dim), top_dtype) if keep_features
+                  else None),
+        hidden=jnp.zeros((batch, cfg.emb_dim), top_dtype) if cfg.feature_width else None)
 
   def decode_step(self, tokens: Array, cache: DecoderCache, num_new: Optional[Array] = None,
-                  logits_at: Optional[Array] = None) -> Tuple[Array, DecoderCache]:
+                  logits_at: Optional[Array] = None, features: Optional[Array] = None
+                  ) -> Tuple[Array, DecoderCache]:
     """Cached decoding of a chunk tokens [batch, k] -> (logits [batch, k, vocab], cache);
     see `Decoder.decode_step`."""
-    return self.decoder.decode_step(tokens, cache, num_new, logits_at)
+    return self.decoder.decode_step(tokens, cache, num_new, logits_at, features)
 
   def tree_step(self, tokens: Array, cache: DecoderCache, tree_depths: Array,
                 tree_mask: Array) -> Tuple[Array, DecoderCache]:

@@ -623,7 +623,8 @@ def plan(model: models.EncoderDecoderModel, decode_kwargs: Mapping[str, Any],
       policy_kwargs.setdefault('prior_alpha', calibration.alphas.get(batch_size))
       policy_kwargs.setdefault('model_error', calibration.errors.get(batch_size))
     priced = policy_kwargs.get('model')
-    tree_choices = tuple(priced.lifts) if priced is not None else ()
+    trees_drafted = priced is not None and not model.draft_config.feature_width  # (chains only)
+    tree_choices = tuple(priced.lifts) if trees_drafted else ()
     if isinstance(start, tuple) and start not in tree_choices:
       start = None  # a tree that this batch size's model does not price
     fallback = start if isinstance(start, tuple) else min(

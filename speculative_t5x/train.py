@@ -66,6 +66,10 @@ Settings (gin: `train.NAME`):
   encoder: for a decoder-only config (`T5Config.encoded_width`): the weights file or training
     folder of the model whose encoder output it reads (the target), frozen; its encoder runs
     inside every step and evaluation. Only for such a config.
+  feature_passes: a feature draft's (`T5Config.feature_width`) passes per step: the first reads
+    the target's features, each later one the draft's own from the pass before
+    (`_feature_draft_loss`); it trains by token distillation with the target as teacher and
+    encoder, without evaluation of its own.
 """
 
 from __future__ import annotations
@@ -191,12 +195,13 @@ def train(*,
           kd_sample_temperature: float = 1.0,
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
           init_from: Optional[str] = None, init_partial: bool = False,
-          encoder: Optional[str] = None) -> Dict[str, Any]:
+          encoder: Optional[str] = None, feature_passes: int = 1) -> Dict[str, Any]:
   """Trains (or resumes) a model; returns the final metrics.
   Each setting is described in this module's docstring ("Settings").
   """
   distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache,
                           kd_divergence, kd_sequences, kd_sample_temperature)
+  _check_feature_draft(config, distill, eval_every, final_eval_splits, feature_passes)
   model_dir = _prepare_model_dir(model_dir, config)
   frozen_encoder = _load_encoder(config, encoder)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
@@ -212,7 +217,7 @@ def train(*,
   state, progress = checkpointer.restore(state)
   _print_summary(config, state, num_pairs, batches)
   train_step = _step_function(config, distill, teacher_model, learning_rate_scale, warmup_steps,
-                              seed, z_loss, label_smoothing, frozen_encoder)
+                              seed, z_loss, label_smoothing, frozen_encoder, feature_passes)
   evaluator = _Evaluator(config, dataset, validation, eval_batch_size, eval_every,
                          eval_bleu_examples, tuple(final_eval_splits), frozen_encoder)
   schedule = rsqrt_schedule(learning_rate_scale, warmup_steps)
@@ -227,6 +232,26 @@ def train(*,
       _finish(results, state['params'], config, export_path, distillation, evaluator, log,
               model_dir)
   return {**results, 'state': state}
+
+
+def _check_feature_draft(config: network.T5Config, distill: _Distillation, eval_every: int,
+                         final_eval_splits: Sequence[str], feature_passes: int) -> None:
+  """One line for settings a feature draft cannot train with: it reads the target's features,
+  so it learns from the target (token distillation, the target the teacher) and cannot decode
+  alone (no BLEU evaluation, no samples of its own)."""
+  if not config.feature_width:
+    if feature_passes != 1:
+      raise ValueError(f'feature_passes {feature_passes} is for a feature draft '
+                       '(T5Config.feature_width); this config has none.')
+    return
+  if distill.mode != 'token' or 'student_samples' in distill.sources:
+    raise ValueError("A feature draft learns by token distillation from its target: set "
+                     "train.distillation = 'token' (kd_sequences without student_samples).")
+  if eval_every or final_eval_splits:
+    raise ValueError('A feature draft cannot decode alone: set train.eval_every = 0 and '
+                     'train.final_eval_splits = [] (benchmarks.drafts measures it with its target).')
+  if feature_passes < 1:
+    raise ValueError(f'feature_passes must be >= 1, got {feature_passes}.')
 
 
 def _prepare_model_dir(model_dir: str, config: network.T5Config) -> Path:
@@ -561,11 +586,14 @@ class _MetricsLog:
         'train_seconds': train_seconds,
         'epoch': epoch,
     }
-    if 'kd_loss' in metrics:
-      record['kd_loss'] = float(metrics['kd_loss']) / tokens
+    for key in metrics:  # (token distillation's, and a feature draft's per pass)
+      if key.startswith(('kd_loss', 'agreement_')):
+        record[key] = float(metrics[key]) / tokens
     self.write(record)
+    agreement = ''.join(f' | {k.replace("agreement_pass_", "agree")} {v:.3f}'
+                        for k, v in record.items() if k.startswith('agreement_'))
     print(f'step {step:6d} | loss {record["loss"]:.4f} | ce {record["cross_entropy"]:.4f} | '
-          f'acc {record["accuracy"]:.3f} | lr {record["learning_rate"]:.2e} | '
+          f'acc {record["accuracy"]:.3f}{agreement} | lr {record["learning_rate"]:.2e} | '
           f'{record["steps_per_second"]:.3f} steps/s | epoch {epoch} | '
           f'{train_seconds / 60:.1f} min', flush=True)
     self.restart_clock()
@@ -612,7 +640,8 @@ class _StopRule:
 
 def _step_function(config: network.T5Config, distill: _Distillation, teacher: Teacher,
                    learning_rate_scale: float, warmup_steps: int, seed: int, z_loss: float,
-                   label_smoothing: float, encoder: evaluation.Encoder = None
+                   label_smoothing: float, encoder: evaluation.Encoder = None,
+                   feature_passes: int = 1
                    ) -> Callable[[State, Dict[str, Array]], Tuple[State, Dict[str, Array]]]:
   """The compiled step as (state, batch) -> (state, metrics summed over tokens)."""
   # Sequence distillation only changes the targets: it shares the plain step (and its compile).
@@ -622,7 +651,7 @@ def _step_function(config: network.T5Config, distill: _Distillation, teacher: Te
   step_fn = _make_train_step(config, learning_rate_scale, warmup_steps, seed, z_loss,
                              label_smoothing, 'token' if token_level else 'none', teacher_config,
                              distill.weight, distill.temperature, distill.divergence,
-                             encoder_config)
+                             encoder_config, feature_passes)
   return lambda state, batch: step_fn(state, batch, teacher_params, encoder_params)
 
 
@@ -631,10 +660,11 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
                      seed: int, z_loss: float, label_smoothing: float, distillation: str,
                      teacher_config: Optional[network.T5Config], kd_weight: float,
                      kd_temperature: float, kd_divergence: str = 'forward_kl',
-                     encoder_config: Optional[network.T5Config] = None):
+                     encoder_config: Optional[network.T5Config] = None, feature_passes: int = 1):
   """The jitted step: (state, batch, teacher_params, encoder_params) -> (state, metrics summed
   over tokens); encoder_params (with `encoder_config`): the frozen encoder a decoder-only config
-  reads.
+  reads. A feature draft (`T5Config.feature_width`) learns by `_feature_draft_loss` over
+  `feature_passes` passes.
 
   Cached on its (hashable) hyperparameters so that runs in one process (a resumed run, tests)
   reuse the compiled step.
@@ -653,6 +683,9 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
     encoded = evaluation.encode_for(encoder_config, encoder_params, args[0], args[3])
 
     def loss_fn(params):
+      if config.feature_width:
+        return _feature_draft_loss(model, params, teacher, teacher_params, args, encoded,
+                                   weights, rng, feature_passes, kd_temperature, kd_divergence)
       logits = model.apply({'params': params}, *args, enable_dropout=True,
                            rngs={'dropout': rng}, encoded=encoded)
       loss, metrics = evaluation.cross_entropy_with_z_loss(
@@ -676,6 +709,48 @@ def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmu
     return {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
   return jax.jit(step_fn, donate_argnums=(0,))
+
+
+def previous_positions(x: Array, segment_ids: Array) -> Array:
+  """x [batch, length, width] moved one position on: row p holds row p - 1 of the same packed
+  segment, zero at a segment's first position (a feature draft's input at p is the feature of
+  p - 1, and the first position has none)."""
+  shifted = jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+  same = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1] == segment_ids
+  return jnp.where(same[..., None], shifted, 0).astype(x.dtype)
+
+
+def _feature_draft_loss(model: network.Transformer, params: PyTree, teacher: network.Transformer,
+                        teacher_params: PyTree, args: Tuple[Array, ...], encoded: Array,
+                        weights: Array, rng: Array, passes: int, temperature: float,
+                        divergence: str) -> Tuple[Array, Dict[str, Array]]:
+  """Token distillation of a feature draft, summed over tokens, with training-time test.
+
+  The teacher (the target) gives its distributions and top hidden states; pass 1 reads those
+  (each position the target's feature of the position before, as the draft's first call of an
+  iteration does), pass k > 1 the draft's own top hidden states from pass k - 1 (as its later
+  calls read their own). The loss is the mean over passes of `evaluation.distillation_loss`,
+  gradients flowing through the passes (EAGLE-3's training-time test; HASS).
+  """
+  teacher_logits, top = jax.lax.stop_gradient(teacher.apply(
+      {'params': teacher_params}, *args, encoded=encoded, return_features=True))
+  segments = args[4]
+  inputs = {'features': previous_positions(top, segments)}
+  total, metrics = 0.0, {}
+  for k in range(passes):
+    logits, hidden = model.apply({'params': params}, *args, enable_dropout=True,
+                                 rngs={'dropout': jax.random.fold_in(rng, k)}, encoded=encoded,
+                                 return_features=True, **inputs)
+    kd = evaluation.distillation_loss(logits, teacher_logits, weights, temperature, divergence)
+    metrics[f'kd_loss_pass_{k + 1}'] = kd
+    agree = jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)
+    metrics[f'agreement_pass_{k + 1}'] = jnp.sum(agree * weights)
+    total += kd / passes
+    if not k:  # (the record's cross-entropy and accuracy: pass 1's, on the real targets)
+      metrics.update(evaluation.cross_entropy_with_z_loss(logits, args[2], weights, 0.0)[1])
+    inputs = {'own_features': previous_positions(hidden, segments)}
+  metrics['kd_loss'] = total
+  return total / jnp.maximum(metrics['tokens'], 1.0), metrics
 
 
 def _run_steps(state: State, progress: Dict[str, Any], train_step: Callable,

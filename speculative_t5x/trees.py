@@ -100,11 +100,15 @@ def token_tree(branching: Sequence[int]) -> TokenTree:
 
 def check_tree_caches(decoder: str, cache: PyTree, draft_cache: PyTree,
                       cache_offset: int) -> None:
-  """Raises ValueError unless both caches can hold a tree (`network.DecoderCache`s, offset 0)."""
+  """Raises ValueError unless both caches can hold a tree (`network.DecoderCache`s, offset 0)
+  and the draft is no feature draft."""
   if cache_offset != 0 or not hasattr(cache, 'keep_tree_path') or not hasattr(
       draft_cache, 'keep_tree_path'):
     raise ValueError(f'{decoder} needs network.DecoderCache caches (cache_offset 0) for target '
                      f'and draft; got {type(cache).__name__} and {type(draft_cache).__name__}.')
+  if getattr(draft_cache, 'hidden', None) is not None:
+    raise ValueError(f'{decoder}: a feature draft does not draft token trees (each node would '
+                     "need its parent's own feature); use speculative_sample.")
 
 
 def call_tree(fn: Callable, tokens: Array, index: Array, cache: PyTree, sequences: Array,

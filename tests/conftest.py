@@ -76,6 +76,10 @@ def tiny_config(**overrides) -> network.T5Config:
 def random_model(config: network.T5Config, seed: int = 0, logit_scale: float = 1.0):
   """A (module, params) pair; logit_scale sharpens/flattens its distributions."""
   params, _ = network.init_params(config, jax.random.PRNGKey(seed))
+  if config.feature_width:  # (its init passes the embedding through and ignores the feature)
+    kernel = params['decoder']['input_projection']['kernel']
+    params['decoder']['input_projection']['kernel'] = jax.random.normal(
+        jax.random.PRNGKey(seed + 1), kernel.shape, kernel.dtype) / kernel.shape[0] ** 0.5
   if logit_scale != 1.0:
     params['decoder']['logits_dense']['kernel'] = params['decoder']['logits_dense']['kernel'] * (
         logit_scale)

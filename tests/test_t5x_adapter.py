@@ -347,10 +347,13 @@ def test_t5x_model_matches_pair_model():
                                 jax.jit(pair.predict_batch)(params, batch))
 
 
-def test_a_decoder_only_draft_through_the_adapter():
-  """A T5X job whose draft reads the target's encoder: T5X's initial variables hold no draft
-  encoder, and the greedy decode is the target's."""
-  reader = tiny_config(num_decoder_layers=1, num_encoder_layers=0, encoded_width=16)
+@pytest.mark.parametrize('feature_width', [0, 16])
+def test_a_decoder_only_draft_through_the_adapter(feature_width):
+  """A T5X job whose draft reads the target's encoder (and, with feature_width, the target's
+  decoder state): T5X's initial variables hold no draft encoder, and the greedy decode is the
+  target's."""
+  reader = tiny_config(num_decoder_layers=1, num_encoder_layers=0, encoded_width=16,
+                       feature_width=feature_width)
   model, params, batch, (target_cfg, _) = _tiny_model(reader)
   shapes = {'encoder_input_tokens': (2, 8), 'decoder_input_tokens': (2, 6)}
   initial = model.get_initial_variables(jax.random.PRNGKey(0), shapes)

@@ -13,6 +13,7 @@ import pytest
 from speculative_t5x import checkpoints
 from speculative_t5x import data
 from speculative_t5x import evaluation
+from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import train as train_lib
 
@@ -280,3 +281,36 @@ def test_a_decoder_only_draft_trains_over_a_frozen_encoder(multi30k, tmp_path, c
       config, draft, data.encode(sources[:8], LENGTH), LENGTH, LENGTH, None, 8, temperature=1.0,
       encoder=(target_config, target))
   assert [cached['tokens'][i, :n].tolist() for i, n in enumerate(cached['lengths'])] == want
+
+
+def test_previous_positions_stay_inside_packed_segments():
+  x = jnp.arange(1, 7, dtype=jnp.float32).reshape(1, 6, 1)
+  segments = jnp.array([[1, 1, 1, 2, 2, 0]])
+  moved = train_lib.previous_positions(x, segments)[0, :, 0]
+  np.testing.assert_array_equal(moved, [0, 1, 2, 0, 4, 0])
+
+
+def test_a_feature_draft_trains_on_its_target_s_features(multi30k, tmp_path):
+  """Token distillation over the target's features and, in a second pass, its own; the export
+  loads as a pair's feature draft."""
+  target_config = _tiny_config(dropout_rate=0.0, emb_dim=24)
+  target, _ = network.init_params(target_config, jax.random.PRNGKey(4))
+  target_path = str(tmp_path / 'target.msgpack')
+  checkpoints.export_weights(target, target_config, target_path)
+  config = _tiny_config(num_encoder_layers=0, encoded_width=24, feature_width=24)
+  reads = dict(config=config, encoder=target_path, teacher=target_path)
+  with pytest.raises(ValueError, match='is for a feature draft'):
+    _run(tmp_path / 'plain', multi30k, 1, feature_passes=2)
+  with pytest.raises(ValueError, match='learns by token distillation'):
+    _run(tmp_path / 'none', multi30k, 1, **reads)
+  with pytest.raises(ValueError, match='cannot decode alone'):
+    _run(tmp_path / 'eval', multi30k, 1, distillation='token', eval_every=2, **reads)
+  out = tmp_path / 'draft.msgpack'
+  _run(tmp_path / 'draft', multi30k, 6, distillation='token', feature_passes=2,
+       export_path=str(out), learning_rate_scale=1.0, **reads)
+  records = [r for r in _records(tmp_path / 'draft') if 'loss' in r]
+  assert {'kd_loss_pass_1', 'kd_loss_pass_2', 'agreement_pass_2'} <= set(records[0])
+  assert records[-1]['kd_loss_pass_1'] < records[0]['kd_loss_pass_1'], records
+  draft_config, draft = checkpoints.load_model(out)
+  assert draft_config == config and 'input_projection' in draft['decoder']
+  models.EncoderDecoderModel(target_config, draft_config)  # (a pair: the widths agree)
