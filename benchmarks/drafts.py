@@ -125,7 +125,8 @@ def markdown(results: Mapping[str, Any]) -> str:
   lines += harness.table(
       ('draft', 'path', 'params', 'c_hat', 'BLEU alone'),
       [[name, d['path'], f"{d['params']:,}", f"{d['c_hat']:.3f}",
-        f"{harness.fmt(d['bleu_alone'], '.2f')} ({d['bleu_sentences']} sentences)"]
+        'reads its target' if d['bleu_alone'] is None else
+        f"{d['bleu_alone']:.2f} ({d['bleu_sentences']} sentences)"]
        for name, d in results['drafts'].items()]) + ['']
   if results.get('acceptance'):
     gammas = results['meta']['gammas']

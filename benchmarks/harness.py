@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 from typing import (Any, Callable, Dict, Hashable, Iterator, List, Mapping, NamedTuple, Optional,
@@ -191,8 +192,7 @@ def parse_sentences(spec: str) -> Dict[int, int]:
     pairs = dict(item.split(':') for item in spec.split(',') if item)
     return {int(b): int(n) for b, n in pairs.items()}
   except ValueError:
-    raise SystemExit(f'error: --sentences wants batch:count pairs like 1:80,8:160, got '
-                     f'{spec!r}') from None
+    raise SystemExit(f'error: --sentences wants pairs like 1:80,8:160, got {spec!r}') from None
 
 
 def parse_ints(spec: str, flag: str, auto: bool = False) -> List[Union[int, str]]:
@@ -206,8 +206,8 @@ def parse_ints(spec: str, flag: str, auto: bool = False) -> List[Union[int, str]
 
 def command_line(name: str, argv: Optional[Sequence[str]]) -> str:
   """The command as it was run, for the results' meta."""
-  args = list(sys.argv[1:] if argv is None else argv)
-  return ' '.join([f'python -m benchmarks.{name}'] + args)
+  argv = sys.argv[1:] if argv is None else argv
+  return shlex.join(['python', '-m', f'benchmarks.{name}', *argv])
 
 
 def test_split(data_dir: Optional[str]) -> Tuple[List[str], List[str]]:

@@ -34,6 +34,10 @@ declare -A RUNS=(
   [vs_ctranslate2]="benchmarks.vs_ctranslate2 --sentences 1:64,8:192,32:320 --rounds 3"
   # The drafts' agreement with the target, hardware-free: alpha and tokens per call.
   [drafts]="benchmarks.drafts --drafts embedded=speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack,separate=speculative_t5x/pretrained/multi30k_de_en_draft.msgpack --gammas 1,2,3,4,5 --temperatures 0,0.7,1"
+  # The feature draft beside the embedded one: needs runs/feature_draft.msgpack (its gin file,
+  # gin_configs/train/multi30k_feature_draft.gin, or stage 9 of scripts/train_pair.sh).
+  [feature_draft]="benchmarks.drafts --drafts feature=runs/feature_draft.msgpack,embedded=speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack --gammas 1,2,3,4,5,6,7,8 --temperatures 0,0.7,1 --sweep_temperature 0"
+  [feature_draft_speed]="benchmarks.drafts --drafts feature=runs/feature_draft.msgpack,embedded=speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack --temperatures= --sentences 1:96,8:96,32:96 --gammas 1,2,4,6 --sampling_gammas 4 --rounds 5"
   # bfloat16 greedy identity (the 'same as greedy' column; one round: its times are not the point).
   [numerics]="benchmarks.speed --dtype bfloat16 --sentences 32:512 --gammas 2,4 --rounds 1"
   # 'auto' in simulated jobs against every fixed choice (no decoders, seconds).
@@ -43,7 +47,8 @@ declare -A RUNS=(
   [vs_t5x]="benchmarks.vs_t5x --sentences 1:40,8:80 --gammas 1,2,3,auto --rounds 5"
 )
 ORDER=(calibrate_greedy calibrate_t1 calibrate_beam4 speed_greedy speed_t1 speed_t1_b32 speed_beam4
-       verifiers vs_ctranslate2 drafts numerics policy_sim policy_sim_calibrated vs_t5x)
+       verifiers vs_ctranslate2 drafts feature_draft feature_draft_speed numerics policy_sim
+       policy_sim_calibrated vs_t5x)
 
 for name in ${ONLY:-${ORDER[@]}}; do
   [[ -v "RUNS[$name]" ]] || { echo "error: ONLY names '$name'; known: ${ORDER[*]}" >&2; exit 1; }

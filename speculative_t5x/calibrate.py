@@ -159,11 +159,12 @@ def probes(pair: pipeline.Pair, batch_size: int, max_gamma: int, width: int,
            ) -> Dict[Tuple[str, int], Tuple[Callable[[], Any], int]]:
   """The model's isolated costs as calls to time: {(part, k): (call, steps per call)}: the
   target's step for k = 1..max_gamma+1 tokens per row and each tree's nodes, the draft's for 1,
-  2 and the trees' level widths (`costs.call_shape`), over batch_size x beams rows; the
-  encoders ('encode', 0), over batch_size."""
+  2 (a feature draft's 1..max_gamma+1) and the trees' level widths (`costs.call_shape`), over
+  batch_size x beams rows; the encoders ('encode', 0), over batch_size."""
   shapes = [costs.call_shape(t) for t in trees]
+  first_calls = range(1, max_gamma + 2) if pair.configs['draft'].feature_width else (1, 2)
   sizes = {'target': set(range(1, max_gamma + 2)) | {target for _, target in shapes},
-           'draft': {1, 2}.union(*[draft for draft, _ in shapes])}
+           'draft': set(first_calls).union(*[draft for draft, _ in shapes])}
   rows = batch_size * beams
   out = {(part, k): (step_loop(pair, part, rows, k, steps_per_call)[0], steps_per_call)
          for part, ks in sizes.items() for k in sorted(ks)}
@@ -221,7 +222,8 @@ def measure(pair: pipeline.Pair, pipe: pipeline.Pipeline, texts: Sequence[str],
   ms = {key: 1e3 * np.median(t[1:]) / calls[key][1] for key, t in probe_times.items()}
   part_ms = lambda name: {k: float(v) for (part, k), v in ms.items() if part == name}
   model = costs.StepCosts(pipe.batch_size, part_ms('target'), part_ms('draft'),
-                          batch_ms=float(ms['encode', 0]))
+                          batch_ms=float(ms['encode', 0]),
+                          feature_draft=bool(pair.configs['draft'].feature_width))
   steps = None
   if beams:  # counted per beam step: every choice takes beam_search's steps (the same search)
     steps = _beam_steps(decodes[next(g for g in gammas if g)][0], pipe.batch_size)

@@ -78,15 +78,17 @@ def depth(choice: Choice) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # (likewise)
-def call_shape(choice: Choice) -> Tuple[Tuple[int, ...], int]:
+def call_shape(choice: Choice, feature_draft: bool = False) -> Tuple[Tuple[int, ...], int]:
   """(tokens per row of each draft call, of the target's call) in one loop iteration: the first
   draft call feeds 2 tokens (the token before the root, which the cache lacks after a path
-  through a leaf, and the root), level d of a tree its b0...b(d-1) nodes; the target scores every
-  node. The target alone: ((), 1)."""
+  through a leaf, and the root), a feature draft's gamma + 1 (it rewrites the positions it
+  drafted on its own features); level d of a tree its b0...b(d-1) nodes; the target scores
+  every node. The target alone: ((), 1)."""
   widths = np.cumprod(branching(choice)).astype(int)  # nodes per level below the root
   if not len(widths):
     return (), 1
-  return (2,) + tuple(int(w) for w in widths[:-1]), 1 + int(widths.sum())
+  first = len(widths) + 1 if feature_draft else 2
+  return (first,) + tuple(int(w) for w in widths[:-1]), 1 + int(widths.sum())
 
 
 def choice_name(choice: Choice) -> str:
@@ -182,7 +184,8 @@ class StepCosts:
 
   target_ms: {k: one cached target step appending k tokens per row}, k = 1..max gamma + 1 and
     the node counts of the trees priced.
-  draft_ms: {k: a draft step of k tokens per row}: 1, 2 and the trees' level widths.
+  draft_ms: {k: a draft step of k tokens per row}: 1, 2 and the trees' level widths (a feature
+    draft's: 1..max gamma + 1).
   batch_ms: what a batch costs once: both encoders and their caches, measured in isolation
     (host work and dispatch go into the fitted overheads).
   plain_overhead_ms, overhead_ms, overhead_per_token_ms: fitted from real loops (`fit`); a tree
@@ -204,6 +207,7 @@ class StepCosts:
   lifts: Mapping[Tuple[int, ...], float] = dataclasses.field(default_factory=dict)
   spread: float = 1.0
   corrections: Mapping[Choice, float] = dataclasses.field(default_factory=dict)
+  feature_draft: bool = False  # (its first draft call: `call_shape`)
 
   @property
   def max_gamma(self) -> int:
@@ -221,12 +225,12 @@ class StepCosts:
     """Whether every step of `choice` is measured (and, for a tree, its lift)."""
     if isinstance(choice, tuple) and choice and choice not in self.lifts:
       return False  # (() is beam search itself: a plain decoder)
-    draft, target = call_shape(choice)
+    draft, target = call_shape(choice, self.feature_draft)
     return target in self.target_ms and all(k in self.draft_ms for k in draft)
 
   def steps_ms(self, choice: Choice) -> float:
     """The steps of one iteration of `choice` (0: the target alone), without loop overhead."""
-    draft, target = call_shape(choice)
+    draft, target = call_shape(choice, self.feature_draft)
     if target not in self.target_ms:
       raise ValueError(f'no measured {target}-token target step (max gamma '
                        f'{self.max_gamma}).')

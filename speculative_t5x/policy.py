@@ -310,13 +310,15 @@ class DecodingPolicy:
 
   def _lengths(self) -> Optional[np.ndarray]:
     """The recent batches' rows' output positions [batches, rows] (None before any)."""
-    if not self.lengths:
-      return None
-    rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
-    out = np.zeros((len(self.lengths), rows), int)
-    for i, batch in enumerate(self.lengths):
-      out[i, :len(batch)] = batch
-    return out
+    def padded() -> Optional[np.ndarray]:
+      if not self.lengths:
+        return None
+      rows = max(len(batch) for batch in self.lengths)  # (a short last batch: padding rows)
+      out = np.zeros((len(self.lengths), rows), int)
+      for i, batch in enumerate(self.lengths):
+        out[i, :len(batch)] = batch
+      return out
+    return self._cached('lengths', padded)
 
   def _follows_model(self) -> bool:
     return not self.dropped and self.predicted() is not None

@@ -212,6 +212,17 @@ def test_a_tree_is_priced_by_its_call_shape_and_its_acceptance_lift():
   assert costs.tree_lifts(beams, 0.7)[(3, 1)] == pytest.approx(0.1, abs=0.01)
 
 
+def test_a_feature_draft_s_first_call_rewrites_the_chain():
+  """Its first draft call feeds gamma + 1 tokens: priced, and measured, at that shape."""
+  assert costs.call_shape(3, feature_draft=True) == ((4, 1, 1), 4)
+  draft_ms = {1: 0.1, 2: 0.12, 3: 0.14, 4: 0.16, 5: 0.18}
+  m = model(target_ms=FLAT_TARGET_MS, draft_ms=draft_ms, feature_draft=True)
+  assert m.steps_ms(3) == pytest.approx(0.16 + 0.1 + 0.1 + FLAT_TARGET_MS[4])
+  assert m.prices(4) and not model(target_ms=FLAT_TARGET_MS, draft_ms=FLAT_DRAFT_MS,
+                                   feature_draft=True).prices(4)  # (no 5-token draft step)
+  assert costs.StepCosts.from_json(m.to_json()) == m
+
+
 def tree_job(machine: costs.StepCosts, alpha: float, batches: int):
   kwargs = {'gamma': 'auto', 'temperature': 1.0}
   pair = models.EncoderDecoderModel(tiny_config(), tiny_config(), eos_id=1, decode_kwargs=kwargs)
