@@ -522,12 +522,10 @@ class DecoderCache:
     encoder input (the beams of one example): cross-attention entries are not moved.
     """
     index, self_key, self_value = self.index, self.self_key, self.self_value
-    features = self.features
     if source_rows is not None:
       take = lambda x: jnp.take(x, source_rows, axis=0)
       index, self_key, self_value = take(index), tuple(map(take, self_key)), tuple(
           map(take, self_value))
-      features = None if features is None else take(features)
     start = index[:, None]
     src = start + path  # [batch, n]
     dst = start + jnp.arange(path.shape[1])[None, :]
@@ -542,15 +540,13 @@ class DecoderCache:
       return value.at[rows, :, dst].set(jnp.moveaxis(moved, 2, 1), mode='drop')
 
     return self.replace(index=index + length, self_key=tuple(map(move_key, self_key)),
-                        self_value=tuple(map(move_value, self_value)),
-                        features=None if features is None else move_value(features[:, None])[:, 0])
+                        self_value=tuple(map(move_value, self_value)))
 
   def extend(self, extra: int) -> 'DecoderCache':
     """The same cache with `extra` more (empty) self-attention slots, room for a token tree."""
     pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
     return self.replace(self_key=tuple(pad(k, 3) for k in self.self_key),
-                        self_value=tuple(pad(v, 2) for v in self.self_value),
-                        features=None if self.features is None else pad(self.features, 1))
+                        self_value=tuple(pad(v, 2) for v in self.self_value))
 
 
 def _mask_bias(mask: Array) -> Array:
