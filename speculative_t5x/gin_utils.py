@@ -244,6 +244,37 @@ def gin_files_help(folders: Sequence[str]) -> str:
   return '\n'.join(entries)
 
 
+# The flags of a job that may run as several processes (multi-host, jax.distributed).
+PROCESS_FLAGS = {
+    'coordinator_address': 'host:port of process 0 for jax.distributed (multi-host), or '
+                           "'auto' where JAX discovers the cluster (Cloud TPU, SLURM).",
+    'process_count': 'Number of processes (jax.distributed).',
+    'process_index': 'This process (jax.distributed).',
+}
+
+
+def define_process_flags() -> None:
+  for name, help_text in PROCESS_FLAGS.items():
+    if name not in flags.FLAGS:
+      flags.DEFINE_string(name, None, help_text)
+
+
+def initialize_processes() -> None:
+  """Joins the job's processes (jax.distributed) when --coordinator_address is given."""
+  address = flags.FLAGS.coordinator_address
+  if not address:
+    return
+  import jax  # pylint: disable=g-import-not-at-top  (this module is otherwise JAX-free)
+  # CPU processes need a collectives implementation to run one program together (tests, CPU
+  # clusters); TPU and GPU ignore this setting.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if address == 'auto':
+    jax.distributed.initialize()  # Cloud TPU / SLURM: JAX discovers the cluster itself.
+  else:
+    jax.distributed.initialize(address, int(flags.FLAGS.process_count),
+                               int(flags.FLAGS.process_index))
+
+
 def exit_with_error(message: str) -> None:
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(1)

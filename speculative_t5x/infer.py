@@ -737,36 +737,19 @@ def _check_run_config(gin_files: Sequence[str]) -> None:
                      f'{" ".join(EXAMPLE_ARGS)} (see --help)')
 
 
-# The job's own flags besides the gin flags: multi-host runs (jax.distributed).
-_PROCESS_FLAGS = {
-    'coordinator_address': 'host:port of process 0 for jax.distributed (multi-host), or '
-                           "'auto' where JAX discovers the cluster (Cloud TPU, SLURM).",
-    'process_count': 'Number of processes (jax.distributed).',
-    'process_index': 'This process (jax.distributed).',
-}
-_FLAG_NAMES = ('gin_file', 'gin_bindings', 'gin_search_paths', *_PROCESS_FLAGS)
+_FLAG_NAMES = ('gin_file', 'gin_bindings', 'gin_search_paths', *gin_utils.PROCESS_FLAGS)
 
 
 def _define_flags() -> None:
   gin_utils.define_gin_flags()
-  for name, help_text in _PROCESS_FLAGS.items():
-    if name not in flags.FLAGS:
-      flags.DEFINE_string(name, None, help_text)
+  gin_utils.define_process_flags()
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   flags_ = flags.FLAGS
   try:
-    if flags_.coordinator_address:
-      # CPU processes need a collectives implementation to run one program together (tests,
-      # CPU clusters); TPU and GPU ignore this setting.
-      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-      if flags_.coordinator_address == 'auto':
-        jax.distributed.initialize()  # Cloud TPU / SLURM: JAX discovers the cluster itself.
-      else:
-        jax.distributed.initialize(flags_.coordinator_address, int(flags_.process_count),
-                                   int(flags_.process_index))
+    gin_utils.initialize_processes()
     try:
       gin_utils.parse_gin_flags(flags_.gin_file, flags_.gin_bindings, flags_.gin_search_paths)
     except (ValueError, KeyError, IOError, SyntaxError) as e:

@@ -70,6 +70,11 @@ Settings (gin: `train.NAME`):
     the target's features, each later one the draft's own from the pass before
     (`_feature_draft_loss`); it trains by token distillation with the target as teacher and
     encoder, without evaluation of its own.
+  partitioner: the mesh and logical axis rules (`partitioning.Partitioner`, as the infer job's):
+    the student, its optimizer slots, the teacher and the frozen encoder are split over
+    'model' by their parameters' logical axes, each batch over 'data' (batch_size a multiple
+    of its size); across hosts each process feeds its rows of every global batch (start the
+    processes with --coordinator_address, as the infer job's). Default: one device.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ import gin
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 import orbax.checkpoint as ocp
 
 import speculative_t5x
@@ -96,6 +102,7 @@ from speculative_t5x import data
 from speculative_t5x import evaluation
 from speculative_t5x import gin_utils
 from speculative_t5x import network
+from speculative_t5x import partitioning
 
 Array = jnp.ndarray
 PyTree = Any
@@ -108,6 +115,9 @@ KD_SEQUENCES = ('data', 'teacher', 'teacher_samples', 'student_samples')
 
 # Gin's handle on T5Config (`@network.T5Config()` in gin files); calling it applies the bindings.
 GinT5Config = gin.external_configurable(network.T5Config, module='network')
+# The mesh and rules, as the infer job takes them (`train.partitioner = @partitioning.Partitioner()`).
+gin.external_configurable(partitioning.Partitioner, module='partitioning')
+gin.external_configurable(partitioning.standard_logical_axis_rules, module='partitioning')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,19 +205,22 @@ def train(*,
           kd_sample_temperature: float = 1.0,
           distillation_cache: Optional[str] = None, max_train_examples: Optional[int] = None,
           init_from: Optional[str] = None, init_partial: bool = False,
-          encoder: Optional[str] = None, feature_passes: int = 1) -> Dict[str, Any]:
+          encoder: Optional[str] = None, feature_passes: int = 1,
+          partitioner: Optional[partitioning.Partitioner] = None) -> Dict[str, Any]:
   """Trains (or resumes) a model; returns the final metrics.
   Each setting is described in this module's docstring ("Settings").
   """
   distill = _Distillation(distillation, teacher, kd_weight, kd_temperature, distillation_cache,
                           kd_divergence, kd_sequences, kd_sample_temperature)
   _check_feature_draft(config, distill, eval_every, final_eval_splits, feature_passes)
+  placement = _Placement(partitioner)
+  placement.check(batch_size)
   model_dir = _prepare_model_dir(model_dir, config)
   frozen_encoder = _load_encoder(config, encoder)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
                      data_dir, mixture_or_task_name, batch_size, pack, seed)
   state = _initial_state(config, make_optimizer(learning_rate_scale, warmup_steps), seed,
-                         init_from, init_partial)
+                         init_from, init_partial, placement)
   batches, num_pairs, teacher_model = _training_data(
       dataset, config, distill, max_train_examples, eval_batch_size,
       student=(config, state['params'], frozen_encoder), run_dir=model_dir)
@@ -216,8 +229,10 @@ def train(*,
                                batches)
   state, progress = checkpointer.restore(state)
   _print_summary(config, state, num_pairs, batches)
-  train_step = _step_function(config, distill, teacher_model, learning_rate_scale, warmup_steps,
-                              seed, z_loss, label_smoothing, frozen_encoder, feature_passes)
+  objective = _objective(config, distill, teacher_model, z_loss, label_smoothing, frozen_encoder,
+                         feature_passes)
+  train_step = _train_step(placement, objective, learning_rate_scale, warmup_steps, seed, state,
+                           teacher_model, frozen_encoder)
   evaluator = _Evaluator(config, dataset, validation, eval_batch_size, eval_every,
                          eval_bleu_examples, tuple(final_eval_splits), frozen_encoder)
   schedule = rsqrt_schedule(learning_rate_scale, warmup_steps)
@@ -396,10 +411,67 @@ def _training_data(dataset: _Dataset, config: network.T5Config, distill: _Distil
   return dataset.batches(all_inputs, all_targets), len(all_inputs), teacher
 
 
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where a run's arrays live and its step runs (T5X's partitioner role, for this job): one
+  device without a partitioner; with one, its mesh: each model's parameters split by their
+  logical axes and the partitioner's rules (the same as the infer job's), the Adafactor slots
+  where XLA's sharding propagation puts them from the parameters, the batch split over 'data'
+  (each process feeding its own rows of the global batch, as T5X's per-host input pipeline)."""
+  partitioner: Optional[partitioning.Partitioner] = None
+
+  def check(self, batch_size: int) -> None:
+    if self.partitioner is not None and batch_size % self.partitioner.data_size:
+      raise ValueError(f'batch_size {batch_size} must be a multiple of the mesh\'s data size '
+                       f'{self.partitioner.data_size}.')
+
+  def params(self, config: network.T5Config, params: Optional[PyTree]) -> Optional[PyTree]:
+    """`params` of a `config` model on the mesh (as given without a partitioner)."""
+    if self.partitioner is None or params is None:
+      return params
+    mesh, rules = self.partitioner.mesh, self.partitioner.logical_axis_rules
+    shardings = partitioning.params_shardings(
+        params, partitioning.params_logical_axes(config), mesh, rules)
+    return partitioning.shard_params(params, shardings)
+
+  def state(self, params: PyTree, tx: optax.GradientTransformation) -> State:
+    """Step 0's state of placed `params`: fresh optimizer slots, placed beside them."""
+    if self.partitioner is None:
+      return {'params': params, 'opt_state': tx.init(params), 'step': jnp.int32(0)}
+    replicated = NamedSharding(self.partitioner.mesh, PartitionSpec())
+    # Slots computed from no parameter (Adafactor's count) come out on one device.
+    opt_state = jax.tree.map(
+        lambda x: x if len(x.sharding.device_set) > 1 else jax.device_put(x, replicated),
+        jax.jit(tx.init)(params))
+    return {'params': params, 'opt_state': opt_state,
+            'step': jax.device_put(jnp.int32(0), replicated)}
+
+  def batch(self, batch: Dict[str, Any]) -> Dict[str, Array]:
+    """A global host batch on the device(s): on a mesh, this process's rows split over 'data'."""
+    if self.partitioner is None:
+      return {k: jnp.asarray(v) for k, v in batch.items()}
+    if jax.process_count() > 1:
+      rows = len(next(iter(batch.values()))) // jax.process_count()
+      start = jax.process_index() * rows
+      batch = {k: v[start:start + rows] for k, v in batch.items()}
+    return partitioning.shard_batch(batch, self.partitioner.mesh)
+
+  def step(self, objective: Objective, learning_rate_scale: float, warmup_steps: int,
+           seed: int, state: State) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+    """`make_step` compiled for this placement: the state keeps `state`'s shardings."""
+    if self.partitioner is None:
+      return _single_device_step(objective, learning_rate_scale, warmup_steps, seed)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(self.partitioner.mesh, PartitionSpec())
+    return jax.jit(make_step(objective, learning_rate_scale, warmup_steps, seed),
+                   donate_argnums=(0,), out_shardings=(shardings, replicated))
+
+
 def _initial_state(config: network.T5Config, tx: optax.GradientTransformation, seed: int,
-                   init_from: Optional[str], partial: bool = False) -> State:
+                   init_from: Optional[str], partial: bool = False,
+                   placement: _Placement = _Placement()) -> State:
   """Step 0: the params of `init_from` (same tree as config's; with `partial`, those that match)
-  or a seeded init, fresh slots."""
+  or a seeded init, fresh slots, placed."""
   params, _ = network.init_params(config, jax.random.PRNGKey(seed))
   if init_from is not None:
     init_config, init_params = checkpoints.load_model(init_from)
@@ -411,7 +483,7 @@ def _initial_state(config: network.T5Config, tx: optax.GradientTransformation, s
       raise ValueError(f'init_from={init_from} has config {init_config}, not {config}.')
     else:
       params = init_params
-  return {'params': params, 'opt_state': tx.init(params), 'step': jnp.int32(0)}
+  return placement.state(placement.params(config, params), tx)
 
 
 def _matching_params(params: PyTree, source: PyTree, name: str) -> PyTree:
@@ -638,77 +710,109 @@ class _StopRule:
     return False
 
 
-def _step_function(config: network.T5Config, distill: _Distillation, teacher: Teacher,
-                   learning_rate_scale: float, warmup_steps: int, seed: int, z_loss: float,
-                   label_smoothing: float, encoder: evaluation.Encoder = None,
-                   feature_passes: int = 1
-                   ) -> Callable[[State, Dict[str, Array]], Tuple[State, Dict[str, Array]]]:
-  """The compiled step as (state, batch) -> (state, metrics summed over tokens)."""
-  # Sequence distillation only changes the targets: it shares the plain step (and its compile).
-  token_level = distill.mode == 'token'
-  teacher_config, teacher_params = teacher if token_level else (None, None)
-  encoder_config, encoder_params = encoder or (None, None)
-  step_fn = _make_train_step(config, learning_rate_scale, warmup_steps, seed, z_loss,
-                             label_smoothing, 'token' if token_level else 'none', teacher_config,
-                             distill.weight, distill.temperature, distill.divergence,
-                             encoder_config, feature_passes)
-  return lambda state, batch: step_fn(state, batch, teacher_params, encoder_params)
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What a training step minimises: one mechanism for this trainer and for T5X's (the T5X
+  adapter's distillation model calls `loss`). Hashable, so a compiled step is cached on it.
 
-
-@functools.lru_cache(maxsize=8)
-def _make_train_step(config: network.T5Config, learning_rate_scale: float, warmup_steps: int,
-                     seed: int, z_loss: float, label_smoothing: float, distillation: str,
-                     teacher_config: Optional[network.T5Config], kd_weight: float,
-                     kd_temperature: float, kd_divergence: str = 'forward_kl',
-                     encoder_config: Optional[network.T5Config] = None, feature_passes: int = 1):
-  """The jitted step: (state, batch, teacher_params, encoder_params) -> (state, metrics summed
-  over tokens); encoder_params (with `encoder_config`): the frozen encoder a decoder-only config
-  reads. A feature draft (`T5Config.feature_width`) learns by `_feature_draft_loss` over
-  `feature_passes` passes.
-
-  Cached on its (hashable) hyperparameters so that runs in one process (a resumed run, tests)
-  reuse the compiled step.
+  config: the trained model's. distillation: 'none' (cross-entropy plus z-loss on the targets;
+    sequence distillation only changes the targets) or 'token' (`(1 - kd_weight) * CE +
+    kd_weight * D(teacher, student)`, the teacher `teacher_config`'s). encoder_config: the
+    frozen encoder a decoder-only config reads. feature_passes: a feature draft's
+    (`_feature_draft_loss`).
   """
+  config: network.T5Config
+  z_loss: float = 1e-4
+  label_smoothing: float = 0.0
+  distillation: str = 'none'
+  teacher_config: Optional[network.T5Config] = None
+  kd_weight: float = 1.0
+  kd_temperature: float = 1.0
+  kd_divergence: str = 'forward_kl'
+  encoder_config: Optional[network.T5Config] = None
+  feature_passes: int = 1
+
+  def loss(self, params: PyTree, batch: Dict[str, Array], rng: Array,
+           teacher_params: Optional[PyTree] = None, encoder_params: Optional[PyTree] = None
+           ) -> Tuple[Array, Dict[str, Array]]:
+    """(loss per target token, metrics summed over tokens) of `params` on a batch
+    ([batch, length] features; segment ids optional), dropout drawn from `rng`. The teacher
+    and the encoder are frozen: no gradient reaches them."""
+    model = network.Transformer(self.config)
+    teacher = network.Transformer(self.teacher_config) if self.teacher_config else None
+    args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
+            batch['decoder_target_tokens'], batch.get('encoder_segment_ids'),
+            batch.get('decoder_segment_ids'))
+    weights = batch['decoder_loss_weights']
+    encoded = evaluation.encode_for(self.encoder_config, encoder_params, args[0], args[3])
+    if self.config.feature_width:
+      return _feature_draft_loss(model, params, teacher, teacher_params, args, encoded, weights,
+                                 rng, self.feature_passes, self.kd_temperature,
+                                 self.kd_divergence)
+    logits = model.apply({'params': params}, *args, enable_dropout=True, rngs={'dropout': rng},
+                         encoded=encoded)
+    loss, metrics = evaluation.cross_entropy_with_z_loss(
+        logits, args[2], weights, self.z_loss, self.label_smoothing)
+    if self.distillation == 'token':
+      teacher_logits = jax.lax.stop_gradient(
+          teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
+      kd = evaluation.distillation_loss(logits, teacher_logits, weights, self.kd_temperature,
+                                        self.kd_divergence)
+      metrics['kd_loss'] = kd
+      loss = (1.0 - self.kd_weight) * loss + self.kd_weight * kd
+    # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token
+    # loss whatever the batch's token count.
+    return loss / jnp.maximum(metrics['tokens'], 1.0), metrics
+
+
+def _objective(config: network.T5Config, distill: _Distillation, teacher: Teacher,
+               z_loss: float, label_smoothing: float, encoder: evaluation.Encoder,
+               feature_passes: int) -> Objective:
+  token_level = distill.mode == 'token'  # (sequence distillation only changes the targets)
+  return Objective(config, z_loss, label_smoothing, 'token' if token_level else 'none',
+                   teacher[0] if token_level else None, distill.weight, distill.temperature,
+                   distill.divergence, encoder[0] if encoder else None, feature_passes)
+
+
+def make_step(objective: Objective, learning_rate_scale: float, warmup_steps: int, seed: int
+              ) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+  """The step, not compiled: (state, batch, teacher_params, encoder_params) -> (state, metrics
+  summed over tokens, with the per-token `loss` and the gradient's norm)."""
   tx = make_optimizer(learning_rate_scale, warmup_steps)
-  model = network.Transformer(config)
-  teacher = network.Transformer(teacher_config) if teacher_config is not None else None
 
   def step_fn(state, batch, teacher_params, encoder_params):
     # Dropout masks depend only on (seed, step): a resumed run draws the same masks.
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), state['step'])
-    args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
-            batch['decoder_target_tokens'], batch['encoder_segment_ids'],
-            batch['decoder_segment_ids'])
-    weights = batch['decoder_loss_weights']
-    encoded = evaluation.encode_for(encoder_config, encoder_params, args[0], args[3])
-
-    def loss_fn(params):
-      if config.feature_width:
-        return _feature_draft_loss(model, params, teacher, teacher_params, args, encoded,
-                                   weights, rng, feature_passes, kd_temperature, kd_divergence)
-      logits = model.apply({'params': params}, *args, enable_dropout=True,
-                           rngs={'dropout': rng}, encoded=encoded)
-      loss, metrics = evaluation.cross_entropy_with_z_loss(
-          logits, batch['decoder_target_tokens'], weights, z_loss, label_smoothing)
-      if distillation == 'token':
-        teacher_logits = jax.lax.stop_gradient(
-            teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
-        kd = evaluation.distillation_loss(logits, teacher_logits, weights, kd_temperature,
-                                          kd_divergence)
-        metrics['kd_loss'] = kd
-        loss = (1.0 - kd_weight) * loss + kd_weight * kd
-      # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token
-      # loss whatever the batch's token count.
-      return loss / jnp.maximum(metrics['tokens'], 1.0), metrics
-
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
+    (loss, metrics), grads = jax.value_and_grad(objective.loss, has_aux=True)(
+        state['params'], batch, rng, teacher_params, encoder_params)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     metrics['loss'] = loss
     metrics['grad_norm'] = optax.tree.norm(grads)
     return {'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
-  return jax.jit(step_fn, donate_argnums=(0,))
+  return step_fn
+
+
+def _train_step(placement: _Placement, objective: Objective, learning_rate_scale: float,
+                warmup_steps: int, seed: int, state: State, teacher: Teacher,
+                encoder: evaluation.Encoder) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+  """(state, host batch) -> (state, metrics): the placed step, with the frozen teacher and
+  encoder placed once."""
+  step = placement.step(objective, learning_rate_scale, warmup_steps, seed, state)
+  teacher_params = (placement.params(objective.teacher_config, teacher[1])
+                    if objective.teacher_config else None)
+  encoder_params = placement.params(*encoder) if encoder else None
+  return lambda state, batch: step(state, placement.batch(batch), teacher_params, encoder_params)
+
+
+@functools.lru_cache(maxsize=8)
+def _single_device_step(objective: Objective, learning_rate_scale: float, warmup_steps: int,
+                        seed: int) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+  """`make_step` jitted for one device, cached so that runs in one process (a resumed run,
+  tests) reuse the compiled step."""
+  return jax.jit(make_step(objective, learning_rate_scale, warmup_steps, seed),
+                 donate_argnums=(0,))
 
 
 def previous_positions(x: Array, segment_ids: Array) -> Array:
@@ -734,7 +838,7 @@ def _feature_draft_loss(model: network.Transformer, params: PyTree, teacher: net
   """
   teacher_logits, top = jax.lax.stop_gradient(teacher.apply(
       {'params': teacher_params}, *args, encoded=encoded, return_features=True))
-  segments = args[4]
+  segments = args[4] if args[4] is not None else jnp.ones(args[1].shape, jnp.int32)
   inputs = {'features': previous_positions(top, segments)}
   total, metrics = 0.0, {}
   for k in range(passes):
@@ -765,8 +869,7 @@ def _run_steps(state: State, progress: Dict[str, Any], train_step: Callable,
   try:
     while not stop(step, progress['train_seconds']):
       start = time.time()
-      batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
-      state, metrics = train_step(state, batch)
+      state, metrics = train_step(state, next(batches))
       step += 1
       # Syncs on logged steps only, so dispatch stays asynchronous.
       metrics = jax.device_get(metrics) if log.due(step) else None
@@ -804,6 +907,7 @@ def _finish(results: Dict[str, Any], params: PyTree, config: network.T5Config,
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  gin_utils.initialize_processes()
   try:
     gin_utils.parse_gin_flags(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings,
                               flags.FLAGS.gin_search_paths)
@@ -819,6 +923,7 @@ def main(argv: Sequence[str]) -> None:
 
 def run() -> None:
   """The `speculative-t5x-train` command."""
+  gin_utils.define_process_flags()
   gin_utils.run(main)
 
 

@@ -2,7 +2,10 @@
 configs."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import gin
 import jax
@@ -15,6 +18,7 @@ from speculative_t5x import data
 from speculative_t5x import evaluation
 from speculative_t5x import models
 from speculative_t5x import network
+from speculative_t5x import partitioning
 from speculative_t5x import train as train_lib
 
 LENGTH = 16
@@ -314,3 +318,47 @@ def test_a_feature_draft_trains_on_its_target_s_features(multi30k, tmp_path):
   draft_config, draft = checkpoints.load_model(out)
   assert draft_config == config and 'input_projection' in draft['decoder']
   models.EncoderDecoderModel(target_config, draft_config)  # (a pair: the widths agree)
+
+
+def _eight_devices(*args):
+  """`train_sharding_worker.py args` on 8 simulated CPU devices (the flag must precede JAX's
+  initialisation, hence a subprocess); its RESULT line."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip())
+  worker = pathlib.Path(__file__).with_name('train_sharding_worker.py')
+  proc = subprocess.run([sys.executable, str(worker), *map(str, args)], env=env,
+                        capture_output=True, text=True, timeout=900)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  return json.loads(lines[-1][len('RESULT '):])
+
+
+def test_a_distillation_step_on_a_mesh_equals_one_device():
+  report = _eight_devices('1x8', '2x4', '8x1')
+  assert report['devices'] == 8
+  for name, result in report['results'].items():
+    assert result['grad_scale'] > 1e-3, (name, result)  # gradients worth comparing
+    for shape, shards in (('1x8', 8), ('2x4', 4), ('8x1', 1)):
+      if name == 'decoder_only_draft' and shape != '8x1':
+        continue  # the worker runs it on the last mesh only
+      got = result[shape]
+      assert got['query_shards'] == got['teacher_query_shards'] == shards, (name, shape, got)
+      assert got['loss'] <= 1e-5 * abs(result['loss']), (name, shape, got)
+      assert got['grads'] <= 1e-5 * result['grad_scale'] + 1e-7, (name, shape, got)
+      assert got['params_after_step'] <= 1e-5, (name, shape, got)
+
+
+def test_a_run_on_a_mesh_resumes_exactly(multi30k, tmp_path):
+  report = _eight_devices('--resume', multi30k, tmp_path)
+  assert report['steps'] == 4
+  assert report['losses'] == report['state'] == 0.0, report
+  assert report['one_device_losses'] < 1e-4, report
+
+
+def test_a_batch_the_mesh_cannot_split_is_one_line(multi30k, tmp_path):
+  class ThreeWay(partitioning.Partitioner):
+    data_size = 3  # as a (3, 1) mesh's, on this one device
+
+  partitioner = ThreeWay()
+  with pytest.raises(ValueError, match='batch_size 4 must be a multiple'):
+    _run(tmp_path, multi30k, 1, partitioner=partitioner)
