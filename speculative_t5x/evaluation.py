@@ -3,7 +3,8 @@
 What the training job measures and what it learns from, apart from the loop itself (`train.py`):
 
   * `cross_entropy_with_z_loss` (T5X's loss) and `distillation_loss` (token distillation's
-    divergence: forward or reverse KL, JSD or total variation);
+    divergence: forward or reverse KL, JSD or total variation), and `Objective`, what a training
+    step minimises, built from them (the trainer's and the T5X adapter's distillation model's);
   * `translate`: greedy outputs (or samples) through the decoders' own loop
     (`decoding.temperature_sample`), in fixed shapes;
   * `evaluate`: per-token loss and accuracy over a split, and corpus BLEU of greedy outputs;
@@ -15,6 +16,7 @@ Shapes: `batch` rows, `length` token positions, `vocab` output classes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -116,6 +118,108 @@ def distillation_loss(logits: Array, teacher_logits: Array, weights: Array, temp
   t_logp = jax.nn.log_softmax(teacher_logits / temperature, axis=-1)
   s_logp = jax.nn.log_softmax(logits / temperature, axis=-1)
   return jnp.sum(_divergence(t_logp, s_logp, divergence) * weights) * temperature**2
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What a training step minimises: the one loss of `speculative-t5x-train` and of the T5X
+  adapter's distillation model (`python -m t5x.train`). Hashable: a compiled step is cached on
+  it.
+
+  config: the trained model's. distillation: 'none' (cross-entropy plus z-loss on the targets;
+    sequence distillation only changes the targets) or 'token' (`(1 - kd_weight) * CE +
+    kd_weight * D(teacher, student)`, the teacher `teacher_config`'s). encoder_config: the
+    frozen encoder a decoder-only config reads. feature_passes: a feature draft's
+    (`_feature_draft_loss`).
+  """
+  config: network.T5Config
+  z_loss: float = 1e-4
+  label_smoothing: float = 0.0
+  distillation: str = 'none'
+  teacher_config: Optional[network.T5Config] = None
+  kd_weight: float = 1.0
+  kd_temperature: float = 1.0
+  kd_divergence: str = 'forward_kl'
+  encoder_config: Optional[network.T5Config] = None
+  feature_passes: int = 1
+
+  def loss(self, params: PyTree, batch: Dict[str, Array], rng: Array,
+           teacher_params: Optional[PyTree] = None, encoder_params: Optional[PyTree] = None
+           ) -> Tuple[Array, Dict[str, Array]]:
+    """(loss per target token, metrics summed over tokens) of `params` on a batch
+    ([batch, length] features; segment ids optional), dropout drawn from `rng` (none without
+    one, as T5X's evaluation asks). The teacher and the encoder are frozen: no gradient reaches
+    them."""
+    model = network.Transformer(self.config)
+    teacher = network.Transformer(self.teacher_config) if self.teacher_config else None
+    args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
+            batch['decoder_target_tokens'], batch.get('encoder_segment_ids'),
+            batch.get('decoder_segment_ids'))
+    weights = batch['decoder_loss_weights']
+    encoded = encode_for(self.encoder_config, encoder_params, args[0], args[3])
+    if self.config.feature_width:
+      return _feature_draft_loss(model, params, teacher, teacher_params, args, encoded, weights,
+                                 rng, self.feature_passes, self.kd_temperature,
+                                 self.kd_divergence)
+    logits = model.apply({'params': params}, *args, encoded=encoded, **_dropout(rng))
+    loss, metrics = cross_entropy_with_z_loss(
+        logits, args[2], weights, self.z_loss, self.label_smoothing)
+    if self.distillation == 'token':
+      teacher_logits = jax.lax.stop_gradient(
+          teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
+      kd = distillation_loss(logits, teacher_logits, weights, self.kd_temperature,
+                                        self.kd_divergence)
+      metrics['kd_loss'] = kd
+      loss = (1.0 - self.kd_weight) * loss + self.kd_weight * kd
+    # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token
+    # loss whatever the batch's token count.
+    return loss / jnp.maximum(metrics['tokens'], 1.0), metrics
+
+
+def previous_positions(x: Array, segment_ids: Array) -> Array:
+  """x [batch, length, width] moved one position on: row p holds row p - 1 of the same packed
+  segment, zero at a segment's first position (a feature draft's input at p is the feature of
+  p - 1, and the first position has none)."""
+  shifted = jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+  same = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1] == segment_ids
+  return jnp.where(same[..., None], shifted, 0).astype(x.dtype)
+
+
+def _dropout(rng: Optional[Array]) -> Dict[str, Any]:
+  return {'enable_dropout': rng is not None, 'rngs': {'dropout': rng} if rng is not None else None}
+
+
+def _feature_draft_loss(model: network.Transformer, params: PyTree, teacher: network.Transformer,
+                        teacher_params: PyTree, args: Tuple[Array, ...], encoded: Array,
+                        weights: Array, rng: Array, passes: int, temperature: float,
+                        divergence: str) -> Tuple[Array, Dict[str, Array]]:
+  """Token distillation of a feature draft, summed over tokens, with training-time test.
+
+  The teacher (the target) gives its distributions and top hidden states; pass 1 reads those
+  (each position the target's feature of the position before, as the draft's first call of an
+  iteration does), pass k > 1 the draft's own top hidden states from pass k - 1 (as its later
+  calls read their own). The loss is the mean over passes of `distillation_loss`,
+  gradients flowing through the passes (EAGLE-3's training-time test; HASS).
+  """
+  teacher_logits, top = jax.lax.stop_gradient(teacher.apply(
+      {'params': teacher_params}, *args, encoded=encoded, return_features=True))
+  segments = args[4] if args[4] is not None else jnp.ones(args[1].shape, jnp.int32)
+  inputs = {'features': previous_positions(top, segments)}
+  total, metrics = 0.0, {}
+  for k in range(passes):
+    pass_rng = jax.random.fold_in(rng, k) if rng is not None else None
+    logits, hidden = model.apply({'params': params}, *args, encoded=encoded,
+                                 return_features=True, **inputs, **_dropout(pass_rng))
+    kd = distillation_loss(logits, teacher_logits, weights, temperature, divergence)
+    metrics[f'kd_loss_pass_{k + 1}'] = kd
+    agree = jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)
+    metrics[f'agreement_pass_{k + 1}'] = jnp.sum(agree * weights)
+    total += kd / passes
+    if not k:  # (the record's cross-entropy and accuracy: pass 1's, on the real targets)
+      metrics.update(cross_entropy_with_z_loss(logits, args[2], weights, 0.0)[1])
+    inputs = {'own_features': previous_positions(hidden, segments)}
+  metrics['kd_loss'] = total
+  return total / jnp.maximum(metrics['tokens'], 1.0), metrics
 
 
 # ------------------------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ Array = jnp.ndarray
 PyTree = Any
 # {'params', 'opt_state', 'step'}: the training state every checkpoint holds.
 State = Dict[str, Any]
+# A training step: (state, batch, ...) -> (state, metrics).
+Step = Callable[..., Tuple[State, Dict[str, Array]]]
 # A teacher's (config, params), or (None, None) without distillation.
 Teacher = Tuple[Optional[network.T5Config], Optional[PyTree]]
 # Where token distillation's sequences come from (`train`'s kd_sequences, joined by '+').
@@ -115,7 +117,7 @@ KD_SEQUENCES = ('data', 'teacher', 'teacher_samples', 'student_samples')
 
 # Gin's handle on T5Config (`@network.T5Config()` in gin files); calling it applies the bindings.
 GinT5Config = gin.external_configurable(network.T5Config, module='network')
-# The mesh and rules, as the infer job takes them (`train.partitioner = @partitioning.Partitioner()`).
+# The mesh and rules, as the infer job's (`train.partitioner = @partitioning.Partitioner()`).
 gin.external_configurable(partitioning.Partitioner, module='partitioning')
 gin.external_configurable(partitioning.standard_logical_axis_rules, module='partitioning')
 
@@ -456,8 +458,8 @@ class _Placement:
       batch = {k: v[start:start + rows] for k, v in batch.items()}
     return partitioning.shard_batch(batch, self.partitioner.mesh)
 
-  def step(self, objective: Objective, learning_rate_scale: float, warmup_steps: int,
-           seed: int, state: State) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+  def step(self, objective: evaluation.Objective, learning_rate_scale: float, warmup_steps: int,
+           seed: int, state: State) -> Step:
     """`make_step` compiled for this placement: the state keeps `state`'s shardings."""
     if self.partitioner is None:
       return _single_device_step(objective, learning_rate_scale, warmup_steps, seed)
@@ -710,72 +712,17 @@ class _StopRule:
     return False
 
 
-@dataclasses.dataclass(frozen=True)
-class Objective:
-  """What a training step minimises: one mechanism for this trainer and for T5X's (the T5X
-  adapter's distillation model calls `loss`). Hashable, so a compiled step is cached on it.
-
-  config: the trained model's. distillation: 'none' (cross-entropy plus z-loss on the targets;
-    sequence distillation only changes the targets) or 'token' (`(1 - kd_weight) * CE +
-    kd_weight * D(teacher, student)`, the teacher `teacher_config`'s). encoder_config: the
-    frozen encoder a decoder-only config reads. feature_passes: a feature draft's
-    (`_feature_draft_loss`).
-  """
-  config: network.T5Config
-  z_loss: float = 1e-4
-  label_smoothing: float = 0.0
-  distillation: str = 'none'
-  teacher_config: Optional[network.T5Config] = None
-  kd_weight: float = 1.0
-  kd_temperature: float = 1.0
-  kd_divergence: str = 'forward_kl'
-  encoder_config: Optional[network.T5Config] = None
-  feature_passes: int = 1
-
-  def loss(self, params: PyTree, batch: Dict[str, Array], rng: Array,
-           teacher_params: Optional[PyTree] = None, encoder_params: Optional[PyTree] = None
-           ) -> Tuple[Array, Dict[str, Array]]:
-    """(loss per target token, metrics summed over tokens) of `params` on a batch
-    ([batch, length] features; segment ids optional), dropout drawn from `rng`. The teacher
-    and the encoder are frozen: no gradient reaches them."""
-    model = network.Transformer(self.config)
-    teacher = network.Transformer(self.teacher_config) if self.teacher_config else None
-    args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
-            batch['decoder_target_tokens'], batch.get('encoder_segment_ids'),
-            batch.get('decoder_segment_ids'))
-    weights = batch['decoder_loss_weights']
-    encoded = evaluation.encode_for(self.encoder_config, encoder_params, args[0], args[3])
-    if self.config.feature_width:
-      return _feature_draft_loss(model, params, teacher, teacher_params, args, encoded, weights,
-                                 rng, self.feature_passes, self.kd_temperature,
-                                 self.kd_divergence)
-    logits = model.apply({'params': params}, *args, enable_dropout=True, rngs={'dropout': rng},
-                         encoded=encoded)
-    loss, metrics = evaluation.cross_entropy_with_z_loss(
-        logits, args[2], weights, self.z_loss, self.label_smoothing)
-    if self.distillation == 'token':
-      teacher_logits = jax.lax.stop_gradient(
-          teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
-      kd = evaluation.distillation_loss(logits, teacher_logits, weights, self.kd_temperature,
-                                        self.kd_divergence)
-      metrics['kd_loss'] = kd
-      loss = (1.0 - self.kd_weight) * loss + self.kd_weight * kd
-    # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token
-    # loss whatever the batch's token count.
-    return loss / jnp.maximum(metrics['tokens'], 1.0), metrics
-
-
 def _objective(config: network.T5Config, distill: _Distillation, teacher: Teacher,
                z_loss: float, label_smoothing: float, encoder: evaluation.Encoder,
-               feature_passes: int) -> Objective:
+               feature_passes: int) -> evaluation.Objective:
   token_level = distill.mode == 'token'  # (sequence distillation only changes the targets)
-  return Objective(config, z_loss, label_smoothing, 'token' if token_level else 'none',
+  return evaluation.Objective(config, z_loss, label_smoothing, 'token' if token_level else 'none',
                    teacher[0] if token_level else None, distill.weight, distill.temperature,
                    distill.divergence, encoder[0] if encoder else None, feature_passes)
 
 
-def make_step(objective: Objective, learning_rate_scale: float, warmup_steps: int, seed: int
-              ) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+def make_step(objective: evaluation.Objective, learning_rate_scale: float, warmup_steps: int,
+              seed: int) -> Step:
   """The step, not compiled: (state, batch, teacher_params, encoder_params) -> (state, metrics
   summed over tokens, with the per-token `loss` and the gradient's norm)."""
   tx = make_optimizer(learning_rate_scale, warmup_steps)
@@ -794,9 +741,9 @@ def make_step(objective: Objective, learning_rate_scale: float, warmup_steps: in
   return step_fn
 
 
-def _train_step(placement: _Placement, objective: Objective, learning_rate_scale: float,
-                warmup_steps: int, seed: int, state: State, teacher: Teacher,
-                encoder: evaluation.Encoder) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+def _train_step(placement: _Placement, objective: evaluation.Objective,
+                learning_rate_scale: float, warmup_steps: int, seed: int, state: State,
+                teacher: Teacher, encoder: evaluation.Encoder) -> Step:
   """(state, host batch) -> (state, metrics): the placed step, with the frozen teacher and
   encoder placed once."""
   step = placement.step(objective, learning_rate_scale, warmup_steps, seed, state)
@@ -807,54 +754,12 @@ def _train_step(placement: _Placement, objective: Objective, learning_rate_scale
 
 
 @functools.lru_cache(maxsize=8)
-def _single_device_step(objective: Objective, learning_rate_scale: float, warmup_steps: int,
-                        seed: int) -> Callable[..., Tuple[State, Dict[str, Array]]]:
+def _single_device_step(objective: evaluation.Objective, learning_rate_scale: float,
+                        warmup_steps: int, seed: int) -> Step:
   """`make_step` jitted for one device, cached so that runs in one process (a resumed run,
   tests) reuse the compiled step."""
   return jax.jit(make_step(objective, learning_rate_scale, warmup_steps, seed),
                  donate_argnums=(0,))
-
-
-def previous_positions(x: Array, segment_ids: Array) -> Array:
-  """x [batch, length, width] moved one position on: row p holds row p - 1 of the same packed
-  segment, zero at a segment's first position (a feature draft's input at p is the feature of
-  p - 1, and the first position has none)."""
-  shifted = jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1]
-  same = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1] == segment_ids
-  return jnp.where(same[..., None], shifted, 0).astype(x.dtype)
-
-
-def _feature_draft_loss(model: network.Transformer, params: PyTree, teacher: network.Transformer,
-                        teacher_params: PyTree, args: Tuple[Array, ...], encoded: Array,
-                        weights: Array, rng: Array, passes: int, temperature: float,
-                        divergence: str) -> Tuple[Array, Dict[str, Array]]:
-  """Token distillation of a feature draft, summed over tokens, with training-time test.
-
-  The teacher (the target) gives its distributions and top hidden states; pass 1 reads those
-  (each position the target's feature of the position before, as the draft's first call of an
-  iteration does), pass k > 1 the draft's own top hidden states from pass k - 1 (as its later
-  calls read their own). The loss is the mean over passes of `evaluation.distillation_loss`,
-  gradients flowing through the passes (EAGLE-3's training-time test; HASS).
-  """
-  teacher_logits, top = jax.lax.stop_gradient(teacher.apply(
-      {'params': teacher_params}, *args, encoded=encoded, return_features=True))
-  segments = args[4] if args[4] is not None else jnp.ones(args[1].shape, jnp.int32)
-  inputs = {'features': previous_positions(top, segments)}
-  total, metrics = 0.0, {}
-  for k in range(passes):
-    logits, hidden = model.apply({'params': params}, *args, enable_dropout=True,
-                                 rngs={'dropout': jax.random.fold_in(rng, k)}, encoded=encoded,
-                                 return_features=True, **inputs)
-    kd = evaluation.distillation_loss(logits, teacher_logits, weights, temperature, divergence)
-    metrics[f'kd_loss_pass_{k + 1}'] = kd
-    agree = jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)
-    metrics[f'agreement_pass_{k + 1}'] = jnp.sum(agree * weights)
-    total += kd / passes
-    if not k:  # (the record's cross-entropy and accuracy: pass 1's, on the real targets)
-      metrics.update(evaluation.cross_entropy_with_z_loss(logits, args[2], weights, 0.0)[1])
-    inputs = {'own_features': previous_positions(hidden, segments)}
-  metrics['kd_loss'] = total
-  return total / jnp.maximum(metrics['tokens'], 1.0), metrics
 
 
 def _run_steps(state: State, progress: Dict[str, Any], train_step: Callable,

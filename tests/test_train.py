@@ -290,7 +290,7 @@ def test_a_decoder_only_draft_trains_over_a_frozen_encoder(multi30k, tmp_path, c
 def test_previous_positions_stay_inside_packed_segments():
   x = jnp.arange(1, 7, dtype=jnp.float32).reshape(1, 6, 1)
   segments = jnp.array([[1, 1, 1, 2, 2, 0]])
-  moved = train_lib.previous_positions(x, segments)[0, :, 0]
+  moved = evaluation.previous_positions(x, segments)[0, :, 0]
   np.testing.assert_array_equal(moved, [0, 1, 2, 0, 4, 0])
 
 

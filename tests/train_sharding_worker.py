@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from speculative_t5x import data
+from speculative_t5x import evaluation
 from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import train
@@ -79,9 +80,9 @@ def largest(a, b) -> float:
 def main(mesh_shapes):
   teacher = random_params(TEACHER, 0)
   students = {
-      'draft': (train.Objective(DRAFT, distillation='token', teacher_config=TEACHER,
+      'draft': (evaluation.Objective(DRAFT, distillation='token', teacher_config=TEACHER,
                                 kd_weight=0.5), random_params(DRAFT, 1), None),
-      'decoder_only_draft': (train.Objective(READER, distillation='token', teacher_config=TEACHER,
+      'decoder_only_draft': (evaluation.Objective(READER, distillation='token', teacher_config=TEACHER,
                                              encoder_config=TEACHER), random_params(READER, 2),
                              teacher),
   }
