@@ -64,6 +64,7 @@ import flax
 from speculative_t5x import costs
 from speculative_t5x import data
 from speculative_t5x import decoding
+from speculative_t5x import evaluation
 from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import trees
@@ -219,6 +220,50 @@ class _SpeculativeMethods:
     return costs.scheduled(self.gamma_schedule, batch_size)
 
 
+def is_draft_parameter(path: str, value: Any = None) -> bool:
+  """A `flax.traverse_util.ModelParamTraversal` filter: the draft's parameters only, so that
+  T5X's optimizer (`optimizers.MultiOptimizer` over this traversal) never updates the teacher."""
+  del value
+  return path.startswith('/draft/')
+
+
+class _DistillationMethods(_SpeculativeMethods):
+  """What `DistillationEncoderDecoderModel` changes in the speculative model: its `loss_fn` is
+  this project's `evaluation.Objective` for the draft (token distillation), the target the
+  frozen teacher, and the encoder a decoder-only draft reads."""
+
+  def __init__(self, module, draft_module, input_vocabulary, output_vocabulary,
+               optimizer_def=None, kd_divergence: str = 'forward_kl', kd_weight: float = 1.0,
+               kd_temperature: float = 1.0, z_loss: float = 1e-4, label_smoothing: float = 0.0,
+               feature_passes: int = 1, **kwargs):
+    super().__init__(module, draft_module, input_vocabulary, output_vocabulary,
+                     optimizer_def=optimizer_def, **kwargs)
+    if kd_divergence not in evaluation.DIVERGENCES:
+      raise ValueError(f'kd_divergence must be one of {evaluation.DIVERGENCES}, not '
+                       f'{kd_divergence!r}.')
+    draft = draft_module.config
+    self.objective = evaluation.Objective(
+        draft, z_loss, label_smoothing, 'token', module.config, kd_weight, kd_temperature,
+        kd_divergence, None if draft.has_encoder else module.config, feature_passes)
+
+  def loss_fn(self, params, batch, dropout_rng):
+    """T5X's contract: (loss, {name: clu metric}); the loss per target token, as this project's
+    trainer's. The teacher is params['target'], under stop_gradient."""
+    teacher = params['target']
+    loss, sums = self.objective.loss(params['draft'], batch, dropout_rng, teacher, teacher)
+    return loss, _t5x_metrics(loss, sums)
+
+
+def _t5x_metrics(loss, sums: Dict[str, Any]) -> Dict[str, Any]:
+  """The step's loss and each of `Objective.loss`'s sums per target token, as T5X's metrics."""
+  from clu import metrics as clu_metrics  # pylint: disable=g-import-not-at-top
+  from t5x import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  tokens = sums['tokens']
+  metrics = {name: clu_metrics.Average(total=value, count=tokens)
+             for name, value in sums.items() if name != 'tokens'}
+  return {**metrics, 'loss': metrics_lib.AveragePerStep(total=loss)}
+
+
 def _build_class() -> type:
   from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
 
@@ -239,12 +284,26 @@ def _build_class() -> type:
     """
     _decoder_params_type = t5x_models.DecoderParams
 
+  class DistillationEncoderDecoderModel(_DistillationMethods, t5x_models.EncoderDecoderModel):
+    """T5X model that trains a draft for its target in `python -m t5x.train`.
+
+    Parameters {'target', 'draft'} as SpeculativeEncoderDecoderModel's (it decodes as that one
+    does). Its loss is token distillation of the draft from the frozen target:
+    `(1 - kd_weight) * CE + kd_weight * D(target, draft)`, D `kd_divergence` ('forward_kl',
+    'reverse_kl', 'jsd', 'tv') at `kd_temperature`, over the task's targets; a feature draft
+    trains over `feature_passes`. The optimizer must update the draft only: T5X's
+    `optimizers.MultiOptimizer` over `ModelParamTraversal(is_draft_parameter)`
+    (gin_configs/t5x/multi30k_distill.gin).
+    """
+    _decoder_params_type = t5x_models.DecoderParams
+
   SpeculativeEncoderDecoderModel.__qualname__ = 'SpeculativeEncoderDecoderModel'
-  return SpeculativeEncoderDecoderModel
+  DistillationEncoderDecoderModel.__qualname__ = 'DistillationEncoderDecoderModel'
+  return SpeculativeEncoderDecoderModel, DistillationEncoderDecoderModel
 
 
 if T5X_AVAILABLE:
-  SpeculativeEncoderDecoderModel = _build_class()
+  SpeculativeEncoderDecoderModel, DistillationEncoderDecoderModel = _build_class()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

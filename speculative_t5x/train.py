@@ -27,6 +27,9 @@ Settings (gin: `train.NAME`):
   data_dir: folder holding multi30k/ (default $SPECULATIVE_T5X_DATA or <repo>/../shared/data).
   mixture_or_task_name: read the data through this seqio task (e.g. 'multi30k_de_en', T5X's
     MIXTURE_OR_TASK_NAME) instead of the plain-Python reader; needs seqio + TensorFlow.
+  data_files: {split: a TSV (input<TAB>target) or JSONL ({"inputs", "targets"}) file}, e.g.
+    {'train': 'pairs.tsv', 'validation': 'dev.jsonl'}: those splits come from the files,
+    tokenized as every split is (`data.encode`), the others as above.
   source_language, target_language: the plain reader's direction (ignored with a task).
   max_input_length, max_target_length: packed row lengths (and eval padding lengths).
   batch_size: packed rows per step.
@@ -101,7 +104,9 @@ from speculative_t5x import checkpoints
 from speculative_t5x import data
 from speculative_t5x import evaluation
 from speculative_t5x import gin_utils
+from speculative_t5x import inputs as inputs_lib
 from speculative_t5x import network
+from speculative_t5x.errors import InferError
 from speculative_t5x import partitioning
 
 Array = jnp.ndarray
@@ -151,14 +156,25 @@ def make_optimizer(learning_rate_scale: float, warmup_steps: int) -> optax.Gradi
 def load_examples(split: str, source_language: str, target_language: str,
                   max_input_length: int, max_target_length: int,
                   data_dir: Optional[str] = None, mixture_or_task_name: Optional[str] = None,
-                  max_examples: Optional[int] = None
+                  max_examples: Optional[int] = None, data_file: Optional[str] = None
                   ) -> Tuple[List[str], List[str], List[List[int]], List[List[int]]]:
   """(source texts, reference texts, input ids, target ids) of a split; ids end in EOS.
 
-  Without `mixture_or_task_name` the files are read and tokenized in plain Python. With it, the
-  examples come from the registered seqio task (TensorFlow), unshuffled and unpacked, in file
-  order; both give the same ids (tests/test_data.py checks the tasks against the plain path).
+  With `data_file` (TSV or JSONL, `inputs.read_input_file`'s formats, every line with a
+  target) the split is that file's pairs. Else without `mixture_or_task_name` Multi30k's files
+  are read and tokenized in plain Python; with it, the examples come from the registered seqio
+  task (TensorFlow), unshuffled and unpacked, in file order; both give the same ids
+  (tests/test_data.py checks the tasks against the plain path).
   """
+  if data_file is not None:
+    examples = inputs_lib.read_input_file(data_file)[:max_examples]
+    untargeted = next((e for e in examples if e.targets is None), None)
+    if untargeted is not None:
+      raise InferError(f'{data_file}:{untargeted.index + 1}: a training example needs a target '
+                       '(TSV: input<TAB>target; JSONL: "targets").')
+    sources, references = [e.inputs for e in examples], [e.targets for e in examples]
+    return (sources, references,
+            *data.tokenize_pairs(sources, references, max_input_length, max_target_length))
   if mixture_or_task_name is None:
     sources, references = data.load_split(split, source_language, target_language, data_dir)
     if max_examples is not None:
@@ -191,7 +207,7 @@ def load_examples(split: str, source_language: str, target_language: str,
 def train(*,
           model_dir: str = gin.REQUIRED, config: network.T5Config = gin.REQUIRED,
           data_dir: Optional[str] = None, mixture_or_task_name: Optional[str] = None,
-          source_language: str = 'de', target_language: str = 'en',
+          data_files: Optional[Dict[str, str]] = None, source_language: str = 'de', target_language: str = 'en',
           max_input_length: int = 64, max_target_length: int = 64,
           batch_size: int = 64, pack: bool = True,
           num_train_steps: int = 100000, max_train_seconds: Optional[float] = None,
@@ -220,7 +236,8 @@ def train(*,
   model_dir = _prepare_model_dir(model_dir, config)
   frozen_encoder = _load_encoder(config, encoder)
   dataset = _Dataset(source_language, target_language, max_input_length, max_target_length,
-                     data_dir, mixture_or_task_name, batch_size, pack, seed)
+                     data_dir, mixture_or_task_name, batch_size, pack, seed,
+                     tuple((data_files or {}).items()))
   state = _initial_state(config, make_optimizer(learning_rate_scale, warmup_steps), seed,
                          init_from, init_partial, placement)
   batches, num_pairs, teacher_model = _training_data(
@@ -369,6 +386,7 @@ class _Dataset:
   batch_size: int
   pack: bool
   seed: int
+  files: Tuple[Tuple[str, str], ...] = ()  # (split, TSV or JSONL file)
 
   def load(self, split: str, max_examples: Optional[int] = None
            ) -> Tuple[List[str], List[str], List[List[int]], List[List[int]]]:
@@ -376,7 +394,7 @@ class _Dataset:
     return load_examples(split, self.source_language, self.target_language,
                          self.max_input_length, self.max_target_length, data_dir=self.data_dir,
                          mixture_or_task_name=self.mixture_or_task_name,
-                         max_examples=max_examples)
+                         max_examples=max_examples, data_file=dict(self.files).get(split))
 
   def batches(self, inputs: Sequence[Sequence[int]],
               targets: Sequence[Sequence[int]]) -> data.PackedBatches:
@@ -820,8 +838,9 @@ def main(argv: Sequence[str]) -> None:
     gin_utils.exit_with_error(f'gin config: {gin_utils.error_line(e)}')
   try:
     results = train()
-  except speculative_t5x.MissingExtraError as e:
-    gin_utils.exit_with_error(str(e).splitlines()[0])  # without gin's context lines
+  except (speculative_t5x.MissingExtraError, InferError, ValueError, FileNotFoundError) as e:
+    # Bad settings, files and checkpoints: one line, without gin's context lines.
+    gin_utils.exit_with_error(gin_utils.error_line(e))
   results.pop('state', None)
   print(json.dumps(results, indent=2), flush=True)
 

@@ -22,6 +22,7 @@ import pytest
 
 from speculative_t5x import checkpoints
 from speculative_t5x import decoding
+from speculative_t5x import evaluation
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import t5x_adapter
@@ -67,17 +68,19 @@ def _stub_t5x_models() -> types.ModuleType:
 
 
 def _adapter_class_and_models():
-  """(SpeculativeEncoderDecoderModel, the t5x.models it subclasses): T5X's, else the stub's."""
+  """(SpeculativeEncoderDecoderModel, DistillationEncoderDecoderModel, the t5x.models they
+  subclass): T5X's, else the stub's."""
   if t5x_adapter.T5X_AVAILABLE:
     from t5x import models as t5x_models  # pylint: disable=g-import-not-at-top
-    return t5x_adapter.SpeculativeEncoderDecoderModel, t5x_models
+    return (t5x_adapter.SpeculativeEncoderDecoderModel,
+            t5x_adapter.DistillationEncoderDecoderModel, t5x_models)
   stub = _stub_t5x_models()
   package = types.ModuleType('t5x')
   package.models = stub
   saved = {name: sys.modules.get(name) for name in ('t5x', 't5x.models')}
   sys.modules.update({'t5x': package, 't5x.models': stub})
   try:
-    return t5x_adapter._build_class(), stub  # pylint: disable=protected-access
+    return (*t5x_adapter._build_class(), stub)  # pylint: disable=protected-access
   finally:
     for name, module in saved.items():
       if module is None:
@@ -87,7 +90,7 @@ def _adapter_class_and_models():
 
 
 # Built once: gin registers the class object the first time a gin file names it.
-ADAPTER, T5X_MODELS = _adapter_class_and_models()
+ADAPTER, DISTILLATION, T5X_MODELS = _adapter_class_and_models()
 
 
 @pytest.fixture
@@ -111,7 +114,7 @@ def test_imports_without_t5x():
 # The gin files.
 
 T5X_GIN_FILES = ('vocab_multi30k.gin', 'multi30k_pair.gin', 'speculative_greedy.gin', 'bild.gin',
-                 'multi30k_task.gin', 'multi30k_target_t5x_greedy.gin')
+                 'multi30k_task.gin', 'multi30k_target_t5x_greedy.gin', 'multi30k_distill.gin')
 
 
 def test_docstring_recipe_names_shipped_files():
@@ -161,7 +164,8 @@ def test_t5x_gin_files_name_only_what_they_import(name):
   selectors |= set(re.findall(r'^(?:\w+/)*([\w.]+)\.\w+\s*=', code, re.M))  # bindings
   selectors |= set(re.findall(r'^(?:\w+/)*([\w.]+):\s*$', code, re.M))  # binding blocks
   macros = set(re.findall(r'^([A-Z][A-Z0-9_]*)\s*=', code, re.M))
-  assert macros <= {'VOCABULARY', 'MODEL', 'MIXTURE_OR_TASK_NAME', 'TASK_FEATURE_LENGTHS'}
+  assert macros <= {'VOCABULARY', 'MODEL', 'MIXTURE_OR_TASK_NAME', 'TASK_FEATURE_LENGTHS',
+                    'OPTIMIZER', 'BATCH_SIZE'}
   assert selectors or macros, name
   for selector in selectors:
     assert selector.split('.')[0] in aliases, (name, selector)
@@ -533,3 +537,74 @@ def test_greedy_speculative_equals_t5x_own_greedy():
   ours_out = jax.jit(functools.partial(predict, ours))(params)
   np.testing.assert_array_equal(ours_out, jax.jit(functools.partial(predict, theirs))(target))
   assert np.all(ours_out[:, 0] > 1)  # decoded something (not all EOS/padding)
+
+
+# ------------------------------------------------------------------------------------------------
+# Distillation in `python -m t5x.train` (DistillationEncoderDecoderModel).
+
+
+def _distillation_model(draft_cfg=None, **kwargs):
+  target_cfg = tiny_config(dropout_rate=0.1)
+  draft_cfg = draft_cfg or tiny_config(num_decoder_layers=1, dropout_rate=0.1)
+  model = DISTILLATION(network.Transformer(target_cfg), network.Transformer(draft_cfg), None,
+                       None, **kwargs)
+  params = _tiny_params(target_cfg, draft_cfg)
+  return model, params, _tiny_model()[2]
+
+
+def test_a_distillation_model_refuses_what_it_cannot_train():
+  with pytest.raises(ValueError, match='kd_divergence must be one of'):
+    _distillation_model(kd_divergence='kl')
+  with pytest.raises(ValueError, match='vocabularies differ'):
+    _distillation_model(tiny_config(num_decoder_layers=1, vocab_size=128))
+
+
+def test_only_draft_parameters_pass_the_traversal_filter():
+  assert t5x_adapter.is_draft_parameter('/draft/decoder/layers_0/mlp/wi_0/kernel', None)
+  assert not t5x_adapter.is_draft_parameter('/target/decoder/layers_0/mlp/wi_0/kernel', None)
+  assert not t5x_adapter.is_draft_parameter('/target/draft_like/kernel', None)
+
+
+@NEEDS_T5X
+@pytest.mark.parametrize('reads_encoder', [False, True])
+def test_distillation_loss_is_the_project_objective_and_spares_the_teacher(reads_encoder):
+  """T5X's loss_fn is the project trainer's objective on the draft (same loss, same dropout),
+  and no gradient reaches the teacher."""
+  from t5x import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  draft_cfg = tiny_config(num_decoder_layers=1, dropout_rate=0.1, **(
+      {'num_encoder_layers': 0, 'encoded_width': 16} if reads_encoder else {}))
+  model, params, batch = _distillation_model(draft_cfg, kd_weight=0.5, kd_divergence='jsd')
+  rng = jax.random.PRNGKey(1)
+  (loss, metrics), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, rng)
+  objective = evaluation.Objective(draft_cfg, distillation='token', kd_weight=0.5,
+                                   kd_divergence='jsd', teacher_config=model.module.config,
+                                   encoder_config=model.module.config if reads_encoder else None)
+  expected, sums = objective.loss(params['draft'], batch, rng, params['target'], params['target'])
+  assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+  assert isinstance(metrics['loss'], metrics_lib.AveragePerStep)
+  assert float(metrics['kd_loss'].compute()) == pytest.approx(
+      float(sums['kd_loss'] / sums['tokens']), rel=1e-6)
+  assert all(not np.any(g) for g in jax.tree.leaves(grads['target']))
+  assert any(np.any(g) for g in jax.tree.leaves(grads['draft']))
+  # Without an rng (T5X's eval_fn) there is no dropout: the same loss twice.
+  assert float(model.eval_fn(params, batch)[0]) == float(model.eval_fn(params, batch)[0])
+
+
+@NEEDS_T5X
+def test_the_distill_file_builds_a_model_whose_optimizer_updates_the_draft_only(clean_gin):
+  from t5x import optimizers  # pylint: disable=g-import-not-at-top
+  pytest.importorskip('seqio', reason='the vocabulary is a seqio.SentencePieceVocabulary')
+  gin.parse_config_files_and_bindings([str(T5X_CONFIGS / 'multi30k_distill.gin')], [])
+  model = _gin_value('MODEL')
+  assert isinstance(model, DISTILLATION)
+  assert model.objective.encoder_config == model.module.config  # the embedded draft reads it
+  assert model.draft_module.config.dropout_rate == 0.1
+  params = _tiny_params(tiny_config(), tiny_config(num_decoder_layers=1))
+  optimizer = model.optimizer_def.create(params)
+  grads = jax.tree.map(np.ones_like, params)
+  updated = optimizer.apply_gradient(grads, learning_rate=0.1).target
+  for name, changed in (('target', False), ('draft', True)):
+    differs = [np.any(a != b) for a, b in zip(jax.tree.leaves(params[name]),
+                                              jax.tree.leaves(updated[name]))]
+    assert all(differs) if changed else not any(differs), name
+  assert isinstance(model.optimizer_def, optimizers.MultiOptimizer)

@@ -362,3 +362,98 @@ def test_a_batch_the_mesh_cannot_split_is_one_line(multi30k, tmp_path):
   partitioner = ThreeWay()
   with pytest.raises(ValueError, match='batch_size 4 must be a multiple'):
     _run(tmp_path, multi30k, 1, partitioner=partitioner)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training data from files, and bad settings: one line.
+
+PAIRS = [('Ein Hund rennt.', 'A dog runs.'), ('Zwei Katzen schlafen.', 'Two cats sleep.'),
+         ('Ein Mann fährt Rad.', 'A man rides a bike.')] * 4
+
+
+def _pairs_file(path, pairs=PAIRS):
+  if path.suffix == '.jsonl':
+    path.write_text(''.join(json.dumps({'inputs': s, **({'targets': t} if t else {})}) + '\n'
+                            for s, t in pairs), encoding='utf-8')
+  else:
+    path.write_text('inputs\ttargets\n' + ''.join(f'{s}\t{t}\n' for s, t in pairs),
+                    encoding='utf-8')
+  return str(path)
+
+
+def test_training_reads_tsv_and_jsonl_files(tmp_path):
+  files = {'train': _pairs_file(tmp_path / 'train.tsv'),
+           'validation': _pairs_file(tmp_path / 'dev.jsonl')}
+  results = _run(tmp_path / 'run', None, 2, data_files=files, max_train_examples=None)
+  assert int(results['state']['step']) == 2
+  sources, references, inputs, targets = train_lib.load_examples(
+      'train', 'de', 'en', LENGTH, LENGTH, data_file=files['train'])
+  assert (sources, references) == tuple(map(list, zip(*PAIRS)))
+  assert inputs[0] == data.encode([PAIRS[0][0]], LENGTH)[0]
+  assert targets[1] == data.encode([PAIRS[1][1]], LENGTH)[0]
+
+
+def _train_cli(args, capsys):
+  """(exit status, stderr) of `speculative-t5x-train ARGS`, in this process."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from speculative_t5x import gin_utils  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_utils.define_gin_flags()
+  gin_utils.define_process_flags()
+  flags.FLAGS.unparse_flags()
+  argv = gin_utils.rewrite_gin_args(['speculative-t5x-train', *args])
+  flags.FLAGS(argv)
+  try:
+    train_lib.main(argv)
+    status = 0
+  except SystemExit as e:
+    status = e.code
+  finally:
+    gin.clear_config()
+  return status, capsys.readouterr().err
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+  """A gin file of a tiny run over a TSV file: [--gin_file=...] plus its model folder."""
+  config = _tiny_config()
+  lines = [f'network.T5Config.{f} = {getattr(config, f)!r}'
+           for f in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'num_encoder_layers',
+                     'num_decoder_layers', 'mlp_dim', 'mlp_activations', 'logits_via_embedding')]
+  train_file = _pairs_file(tmp_path / 'train.tsv')
+  lines += ['train.config = @network.T5Config()', f"train.model_dir = '{tmp_path / 'run'}'",
+            f"train.data_files = {{'train': '{train_file}', 'validation': '{train_file}'}}",
+            'train.batch_size = 4', 'train.num_train_steps = 1', 'train.eval_every = 0',
+            'train.final_eval_splits = []', f'train.max_input_length = {LENGTH}',
+            f'train.max_target_length = {LENGTH}']
+  (tmp_path / 'tiny.gin').write_text('\n'.join(lines) + '\n')
+  return [f'--gin_file={tmp_path / "tiny.gin"}']
+
+
+def _teacher_of_another_vocabulary(tmp_path):
+  config = _tiny_config(vocab_size=256)
+  params, _ = network.init_params(config, jax.random.PRNGKey(0))
+  path = tmp_path / 'teacher.msgpack'
+  checkpoints.export_weights(params, config, path, {})
+  return path
+
+
+def test_bad_training_settings_are_one_line(tiny_run, tmp_path, capsys):
+  no_target = _pairs_file(tmp_path / 'no_target.jsonl', [('Ein Hund.', 'A dog.'), ('Eine Katze.', '')])
+  cases = {
+      'unknown binding': (['--gin.train.bogus=1'], 'bogus'),
+      'missing teacher': (["--gin.train.distillation='token'",
+                           "--gin.train.teacher='/nonexistent/teacher.msgpack'"], 'nonexistent'),
+      'teacher of another vocabulary': (
+          ["--gin.train.distillation='token'",
+           f"--gin.train.teacher='{_teacher_of_another_vocabulary(tmp_path)}'"],
+          'share the (padded) vocabulary'),
+      'a training line without a target': (
+          [f"--gin.train.data_files={{'train': '{no_target}'}}"],
+          'no_target.jsonl:2: a training example needs a target'),
+  }
+  for name, (args, expected) in cases.items():
+    status, err = _train_cli([*tiny_run, *args], capsys)
+    lines = [line for line in err.splitlines() if line.startswith('error: ')]
+    assert status == 1 and len(lines) == 1 and expected in lines[0], (name, err[-2000:])
+    assert 'Traceback' not in err, (name, err[-2000:])

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Does `python -m t5x.train` with t5x_adapter.DistillationEncoderDecoderModel learn as the
+# project's own trainer does? Both distil a fresh embedded draft (two decoder layers over the
+# target's encoder) from the embedded target for STEPS steps with the same recipe: forward KL on
+# the training captions, Adafactor as T5X's, lr 0.25 / sqrt(max(step, 400)), 32 packed rows of
+# 64, dropout 0.1; then the loss per target token, averaged over windows of WINDOW steps, side by
+# side (their batches differ: seqio's packing against the project's).
+#
+#   T5X_PYTHON=/path/to/t5x-venv/bin/python scripts/t5x_train_check.sh [OUT]
+#
+# OUT defaults to results/cpu/t5x_train. Needs T5X installed apart (docs/t5x.md), the data folder
+# ($SPECULATIVE_T5X_DATA) and this checkout on T5X's Python path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-results/cpu/t5x_train}"
+steps="${STEPS:-300}"
+window="${WINDOW:-50}"
+work="$(mktemp -d)"
+mkdir -p "$out"
+: "${T5X_PYTHON:?set T5X_PYTHON to the python of a T5X install (docs/t5x.md)}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+"$T5X_PYTHON" -m speculative_t5x.t5x_adapter --output_dir="$work/pair" >/dev/null
+t5x_command=("$T5X_PYTHON" -m t5x.train
+  --gin_file=t5x/configs/runs/finetune.gin
+  --gin_file=speculative_t5x/gin_configs/t5x/multi30k_distill.gin
+  --gin_file=speculative_t5x/gin_configs/t5x/multi30k_task.gin
+  "--gin.INITIAL_CHECKPOINT_PATH='$work/pair/checkpoint_0'"
+  "--gin.MODEL_DIR='$work/t5x'" "--gin.TRAIN_STEPS=$steps" "--gin.EVAL_PERIOD=$window"
+  --gin.RANDOM_SEED=0 --gin.USE_CACHED_TASKS=False
+  --gin.train.infer_eval_dataset_cfg=None --gin.train.train_eval_dataset_cfg=None
+  "--gin.utils.RestoreCheckpointConfig.assignment_map=((r'state/param_states.*', None), (r'target/draft/.*', None))")
+echo "== t5x.train, $steps steps" >&2
+"${t5x_command[@]}" > "$work/t5x.log" 2>&1
+
+project_command=(python -m speculative_t5x.train
+  --gin_file=gin_configs/train/multi30k_draft_decoder_only_2layers.gin
+  "--gin.train.model_dir='$work/project'" --gin.train.init_from=None
+  "--gin.train.kd_sequences='data'" "--gin.train.num_train_steps=$steps"
+  --gin.train.max_train_seconds=None --gin.train.eval_every=0 --gin.train.final_eval_splits=[]
+  --gin.train.export_path=None --gin.train.log_every=1)
+echo "== speculative-t5x-train, $steps steps" >&2
+"${project_command[@]}" > "$work/project.log" 2>&1
+
+python - "$work" "$out" "$window" "${t5x_command[*]}" "${project_command[*]}" <<'EOF'
+import json, pathlib, re, sys
+work, out, window = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
+# T5X logs each window's mean metrics as "[step] collection=train ... loss=..., ...".
+t5x = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+    r'\[(\d+)\] collection=train .*?\bloss=([\d.e+-]+)', (work / 't5x.log').read_text())}
+records = [json.loads(l) for l in (work / 'project' / 'metrics.jsonl').read_text().splitlines()]
+losses = {r['step']: r['loss'] for r in records if 'loss' in r}
+rows = ['| steps | t5x.train | speculative-t5x-train | gap |', '|---|---|---|---|']
+for end in sorted(t5x):
+  ours = [losses[s] for s in range(end - window + 1, end + 1)]
+  mean = sum(ours) / len(ours)
+  rows.append(f'| {end - window + 1}-{end} | {t5x[end]:.4f} | {mean:.4f} | '
+              f'{(t5x[end] - mean) / mean:+.1%} |')
+text = (f'# t5x.train against speculative-t5x-train: a fresh embedded draft distilled from the '
+        f'target\n\n`{sys.argv[4]}`\n\n`{sys.argv[5]}`\n\nLoss per target token (forward KL), '
+        f'the mean of each {window}-step window:\n\n' + '\n'.join(rows) + '\n')
+(out / 't5x_train.md').write_text(text)
+print(text)
+EOF
+rm -rf "$work"
