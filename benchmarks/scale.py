@@ -3,35 +3,32 @@
   python -m benchmarks.scale --platform tpu --topology v4:1x1x1,v5e:2x4,v5p:2x2x1,v6e:2x4
   python -m benchmarks.scale --platform tpu --tiny --topology v5e:2x2     # seconds
   python -m benchmarks.scale --tiny --batches 8 --drafts small            # 8 fake CPU devices
+  python -m benchmarks.scale --distill --sizes xxl --batches 32           # training, memory
 
 Parameters are `jax.eval_shape` structures; every program is lowered with NamedShardings over a
-(data, model) mesh and compiled, never run. --platform tpu: by XLA:TPU for the devices of each
---topology (`aot.topology_devices`; needs libtpu pinned to the installed jax, in a venv of its
-own: `pip install 'jax[tpu]==<jax version>' && pip install -e .`). --platform cpu (default):
-the predict programs only, for 8 fake CPU devices (set here before JAX starts): what a device
-holds and which collectives the loops run, without libtpu or estimates (tests/test_scale.py).
+(data, model) mesh and compiled, never run: --platform tpu by XLA:TPU for each --topology's
+devices (`aot.topology_devices`; libtpu pinned to the installed jax, in a venv of its own:
+`pip install 'jax[tpu]==<jax version>' && pip install -e .`), --platform cpu (default) for 8
+fake CPU devices (the predict programs only, without estimates; tests/test_scale.py).
 
-Per (topology, target size, batch, mesh) and per draft ('small': T5 1.1 small with its own
-encoder; 'small-dec2': two decoder layers of its widths reading the target's encoder, the
-embedded draft's shape):
+Per (topology, target size, batch, mesh) and draft ('small': T5 1.1 small; 'small-dec2': two
+decoder layers of its widths reading the target's encoder, the embedded draft's shape):
 
-  - the predict programs (greedy target-only and greedy speculative at --gamma, the draft
-    replicated): bytes per device (against the chip's HBM), the collectives of one iteration of
-    each loop, cache-sized copies and host transfers inside loop bodies;
-  - on a TPU, two XLA:TPU estimates of the straight-line programs of `aot.decode_programs` (the
-    target's step at 1 and gamma + 1 tokens, the draft's at 1 and 2, the prefill, one loop
-    iteration at gamma 0 and at each --gammas, greedy and at temperature 1): `optimal_seconds`
-    (`aot.optimal_seconds`, the compiler's bound for the whole program) and the sum of its ops'
-    `estimated_cycles` (`compiled.entry_cycles`, its schedule, which adds up call by call);
-    straight-line, as XLA counts a loop body once (`compiled.while_cost_is_per_body`);
-  - the loop's own work at --gamma: an iteration's cycles, ops and bytes beyond its calls';
-  - the speedup each estimate predicts at the embedded pair's acceptance and at the paper's:
-    expected tokens per iteration times the target-only iteration over the speculative one.
+  - the predict programs (greedy target-only and speculative at --gamma, the draft
+    replicated): bytes per device against the chip's HBM, each loop iteration's collectives,
+    cache-sized copies and host transfers inside loop bodies;
+  - on a TPU, XLA:TPU's `optimal_seconds` (`aot.optimal_seconds`) and the sum of its ops'
+    `estimated_cycles` (`compiled.entry_cycles`) for the straight-line programs of
+    `aot.decode_programs` (XLA counts a loop body once): the target's step at 1 and gamma + 1
+    tokens, the draft's at 1 and 2, the prefill, one iteration at gamma 0 and each --gammas;
+  - the loop's own work at --gamma, and the speedup each estimate predicts at the embedded
+    pair's acceptance and at the paper's.
+  - --distill instead: one distillation step of each draft from the target (`distill_block`).
 
-Writes tpu.json and tpu.md (--platform cpu: scale.json and scale.md) after every block;
---resume keeps the blocks already there. T5X's own greedy loop, compiled the same way in T5X's
-environment (`benchmarks.scale_t5x`, run apart into t5x_tpu.json beside them), joins the TPU
-tables. Estimates are a compiler's, for an idle chip: a lower bound, not timings (docs/scale.md).
+Writes tpu.json and tpu.md (cpu: scale.json, scale.md; --distill: distill_*) after every block;
+--resume keeps the blocks already there. T5X's own greedy loop (`benchmarks.scale_t5x`, run
+apart into t5x_tpu.json) joins the TPU tables. Estimates are a compiler's, for an idle chip: a
+lower bound, not timings (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -57,10 +54,12 @@ from benchmarks import harness
 from speculative_t5x import aot
 from speculative_t5x import costs
 from speculative_t5x import decoding
+from speculative_t5x import evaluation
 from speculative_t5x import gin_utils
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
+from speculative_t5x import train
 
 DEVICES = 8  # --platform cpu
 INPUT_LENGTH = 512
@@ -123,6 +122,7 @@ def predict_program(model: models.EncoderDecoderModel, mesh: Any, params: Any, b
   loops = xla.loop_report(program.as_text(), big_bytes)
   copies = [c for l in loops for c in l['big_copies']]
   return {'compile_s': seconds, 'memory': xla.memory(program), 'cost': xla.cost(program),
+          'fit': aot.fit(program, list(mesh.devices.flat)),
           'loops': xla.summarize_loops(loops),
           'big_copies': {'count': len(copies), 'bytes': sum(c['bytes'] for c in copies)}}
 
@@ -149,16 +149,40 @@ def estimate(program: Any) -> Dict[str, Any]:
 def predict_figures(model: Any, mesh: Any, params: Any, batch: int, args: argparse.Namespace,
                     big_bytes: int) -> Dict[str, Any]:
   """A whole predict program: its fit in HBM (a TPU's), loop collectives, copies, transfers."""
-  out = aot.compile_program(lambda: predict_program(
+  return aot.compile_program(lambda: predict_program(
       model, mesh, params, batch, (args.input_length, args.output_length), aot.REPLICATED,
       big_bytes))
-  m = out['memory']
-  need = m['argument_bytes'] + m['output_bytes'] + m['temp_bytes'] - m['alias_bytes']
-  out['fit'] = {'bytes': need}
-  if args.platform == 'tpu':
-    hbm = aot.hbm_bytes(list(mesh.devices.flat))
-    out['fit'].update(hbm=hbm, fits=need <= hbm, short_by=max(need - hbm, 0))
-  return out
+
+
+def distill_block(topology: str, devices: Sequence[Any], size: str, mesh_shape: Tuple[int, int],
+                  batch: int, args: argparse.Namespace) -> Dict[str, Any]:
+  """--distill: one training step of each draft distilled from the `size` target (the target
+  frozen; `train.compile_step`), compiled for the mesh: bytes per device and fit."""
+  partitioner = partitioning.Partitioner(mesh_shape=mesh_shape, devices=devices)
+  teacher, drafts = model_config(size), {}
+  for draft in args.drafts:
+    student = draft_config(draft, teacher)
+    objective = evaluation.Objective(student, distillation='token', teacher_config=teacher,
+                                     encoder_config=None if student.has_encoder else teacher)
+    try:
+      drafts[draft] = {'fit': aot.fit(aot.compile_program(lambda: train.compile_step(
+          objective, partitioner, batch, (args.input_length, args.output_length),
+          args.param_dtype)), devices)}
+    except aot.DoesNotFit as error:
+      drafts[draft] = {'does_not_fit': str(error)}
+  return {'topology': topology, 'size': size, 'mesh': list(mesh_shape), 'batch': batch,
+          'drafts': drafts}
+
+
+def distill_markdown(results: Mapping[str, Any]) -> str:
+  meta = results['meta']
+  lines = harness.heading('Distillation step: memory per device (compile-only)', results) + [
+      f"One step of `train.compile_step`: the target frozen (teacher, and the encoder a "
+      f"decoder-only draft reads) in {meta['param_dtype']}, the draft trained in float32 with "
+      f"Adafactor; inputs {meta['input_length']}, targets {meta['output_length']}.", '']
+  rows = [[key, draft, d.get('does_not_fit') or fit_cell(d)]
+          for key, b in results['blocks'].items() for draft, d in b['drafts'].items()]
+  return '\n'.join(lines + harness.table(['block', 'draft', 'GiB per device'], rows) + [''])
 
 
 def draft_figures(size: str, draft: str, mesh: Any, batch: int, args: argparse.Namespace,
@@ -250,7 +274,8 @@ def run(args: argparse.Namespace, results: Dict[str, Any], write: Callable[[Any]
         for mesh_shape in meshes(devices, args.meshes, batch):
           key = f'{topology} {size} {mesh_shape[0]}x{mesh_shape[1]} b{batch}'
           if key not in results['blocks']:
-            results['blocks'][key] = block(topology, devices, size, mesh_shape, batch, args)
+            build = distill_block if args.distill else block
+            results['blocks'][key] = build(topology, devices, size, mesh_shape, batch, args)
             print(key, summary_line(results['blocks'][key]), flush=True)
             write(results)
   return results
@@ -307,6 +332,8 @@ def predicted(b: Mapping[str, Any], draft: str, setting: str, alpha: float, meas
 
 def summary_line(b: Mapping[str, Any]) -> str:
   """Progress: each draft's speculative loop and, with estimates, its predicted speedup."""
+  if 'topology' in b and 'device_kind' not in b:  # --distill
+    return '; '.join(f"{k}: {d.get('does_not_fit') or fit_cell(d)}" for k, d in b['drafts'].items())
   if 'does_not_fit' in b:
     return f"does not fit: {b['does_not_fit']}"
   parts = []
@@ -469,6 +496,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument('--tiny', action='store_true',
                  help='tiny target and draft, input 16 / output 8 (seconds; the tests)')
   p.add_argument('--resume', action='store_true', help='keep the blocks already in the JSON')
+  p.add_argument('--distill', action='store_true',
+                 help='the distillation step instead (distill_block), into distill[_tpu].json')
   harness.output_flags(p)
   p.set_defaults(machine=NAME)
   args = p.parse_args(argv)
@@ -495,7 +524,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   """The sweep into <out_dir>/tpu.json and tpu.md (--platform cpu: scale.json and scale.md)."""
   args = parse_args(argv)
-  name = 'tpu' if args.platform == 'tpu' else NAME
+  name = ('distill_' if args.distill else '') + ('tpu' if args.platform == 'tpu' else NAME)
   for topology in args.topologies:  # a bad name fails before anything compiles
     topology_devices(args, topology)
   directory = harness.out_dir(args)
@@ -513,7 +542,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
              'blocks': previous.get('blocks', {})}
   if t5x_path.exists():  # T5X's side, `benchmarks.scale_t5x` run apart
     results['t5x'] = json.loads(t5x_path.read_text())
-  write = lambda r: harness.write_results(args, name, r, markdown)
+  write = lambda r: harness.write_results(args, name, r,
+                                         distill_markdown if args.distill else markdown)
   run(args, results, write)
   print('wrote', *write(results))
   return results

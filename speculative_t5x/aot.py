@@ -89,6 +89,18 @@ def hbm_bytes(devices: Sequence[Any]) -> int:
   return HBM_GIB[kind] * 2**30 * len(chips) // len(devices)
 
 
+def fit(program: Any, devices: Sequence[Any]) -> Dict[str, Any]:
+  """Bytes a device needs for a compiled program (arguments, outputs and temporaries, less the
+  outputs that alias arguments) and, for TPU devices, whether their chip's HBM holds them."""
+  m = program.memory_analysis()
+  need = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
+          m.alias_size_in_bytes)
+  if devices[0].platform != 'tpu':
+    return {'bytes': need}
+  hbm = hbm_bytes(devices)
+  return {'bytes': need, 'hbm': hbm, 'fits': need <= hbm, 'short_by': max(need - hbm, 0)}
+
+
 # XLA:TPU's cost analysis counts each of these custom calls as -1 s: a concatenation of
 # asynchronously prefetched slices, a bitcast that moves no data (checked: a step program's
 # optimal_seconds is its positive estimate minus exactly their count, at every size and batch).

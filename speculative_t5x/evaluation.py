@@ -149,9 +149,12 @@ class Objective:
     """(loss per target token, metrics summed over tokens) of `params` on a batch
     ([batch, length] features; segment ids optional), dropout drawn from `rng` (none without
     one, as T5X's evaluation asks). The teacher and the encoder are frozen: no gradient reaches
-    them."""
+    them; without `encoder_params` a student reading its teacher's encoder reads
+    `teacher_params`."""
     model = network.Transformer(self.config)
     teacher = network.Transformer(self.teacher_config) if self.teacher_config else None
+    if encoder_params is None and self.encoder_config == self.teacher_config:
+      encoder_params = teacher_params  # the student reads its teacher's encoder: one copy
     args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
             batch['decoder_target_tokens'], batch.get('encoder_segment_ids'),
             batch.get('decoder_segment_ids'))

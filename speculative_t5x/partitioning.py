@@ -426,6 +426,7 @@ class Partitioner:
     given through `standard_logical_axis_rules(additional_rules=...)` (gin:
     `partitioning.standard_logical_axis_rules.additional_rules`) come after the standard ones,
     exactly as in T5X, so T5X gin files resolve to the same shardings here.
+  devices: the mesh's, default `jax.devices()` (a TPU topology's, to compile for it here).
   draft_placement: the draft's parameters and cache split over 'model' like the target's
     ('sharded'), whole on every device ('replicated'), or replicated when the draft has at most
     1/'model' of the target's parameters ('auto', the default): `draft_logical_axis_rules`.
@@ -433,8 +434,9 @@ class Partitioner:
 
   def __init__(self, num_partitions: int = 1, mesh_shape: Optional[Tuple[int, int]] = None,
                logical_axis_rules: Optional[LogicalAxisRules] = None,
-               draft_placement: str = DRAFT_AUTO):
+               draft_placement: str = DRAFT_AUTO, devices: Optional[Sequence[Any]] = None):
     self.num_partitions = num_partitions
+    self.devices = devices
     self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
     self.logical_axis_rules = (standard_logical_axis_rules() if logical_axis_rules is None
                                else tuple(tuple(r) for r in logical_axis_rules))
@@ -447,7 +449,7 @@ class Partitioner:
   @property
   def mesh(self) -> Mesh:
     if self._mesh is None:
-      self._mesh = create_mesh(self.mesh_shape, self.num_partitions)
+      self._mesh = create_mesh(self.mesh_shape, self.num_partitions, self.devices)
     return self._mesh
 
   @property

@@ -113,6 +113,9 @@ Array = jnp.ndarray
 PyTree = Any
 # {'params', 'opt_state', 'step'}: the training state every checkpoint holds.
 State = Dict[str, Any]
+# A packed training batch's features (`data.PackedBatches`), each [batch, length].
+BATCH_FEATURES = ('encoder_input_tokens', 'encoder_segment_ids', 'decoder_input_tokens',
+                  'decoder_target_tokens', 'decoder_segment_ids', 'decoder_loss_weights')
 # A training step: (state, batch, ...) -> (state, metrics).
 Step = Callable[..., Tuple[State, Dict[str, Array]]]
 # A teacher's (config, params), or (None, None) without distillation.
@@ -243,6 +246,8 @@ def train(*,
   batches, num_pairs, teacher_model = _training_data(
       dataset, config, distill, max_train_examples, eval_batch_size,
       student=(config, state['params'], frozen_encoder), run_dir=model_dir)
+  if encoder is not None and _same_file(encoder, teacher):
+    frozen_encoder = teacher_model  # read once, placed once
   validation = dataset.load('validation')[:2]
   checkpointer = _Checkpointer(model_dir / 'checkpoints', checkpoint_every, keep_checkpoints,
                                batches)
@@ -299,6 +304,11 @@ def _prepare_model_dir(model_dir: str, config: network.T5Config) -> Path:
   if config.vocab_size < vocab:
     raise ValueError(f'config.vocab_size {config.vocab_size} < vocabulary size {vocab}.')
   return model_dir
+
+
+def _same_file(a: Optional[str], b: Optional[str]) -> bool:
+  return (a is not None and b is not None and
+          gin_utils.resolve_path(a).resolve() == gin_utils.resolve_path(b).resolve())
 
 
 def _load_encoder(config: network.T5Config, path: Optional[str]) -> evaluation.Encoder:
@@ -431,6 +441,12 @@ def _training_data(dataset: _Dataset, config: network.T5Config, distill: _Distil
   return dataset.batches(all_inputs, all_targets), len(all_inputs), teacher
 
 
+def _on_mesh(sharding: jax.sharding.Sharding, replicated: NamedSharding) -> jax.sharding.Sharding:
+  """`sharding`, or `replicated` for one on a single device: optimizer slots computed from no
+  parameter (Adafactor's count) come out of `tx.init` there."""
+  return sharding if len(sharding.device_set) > 1 else replicated
+
+
 @dataclasses.dataclass(frozen=True)
 class _Placement:
   """Where a run's arrays live and its step runs (T5X's partitioner role, for this job): one
@@ -459,10 +475,8 @@ class _Placement:
     if self.partitioner is None:
       return {'params': params, 'opt_state': tx.init(params), 'step': jnp.int32(0)}
     replicated = NamedSharding(self.partitioner.mesh, PartitionSpec())
-    # Slots computed from no parameter (Adafactor's count) come out on one device.
-    opt_state = jax.tree.map(
-        lambda x: x if len(x.sharding.device_set) > 1 else jax.device_put(x, replicated),
-        jax.jit(tx.init)(params))
+    opt_state = jax.tree.map(lambda x: jax.device_put(x, _on_mesh(x.sharding, replicated)),
+                             jax.jit(tx.init)(params))
     return {'params': params, 'opt_state': opt_state,
             'step': jax.device_put(jnp.int32(0), replicated)}
 
@@ -767,7 +781,9 @@ def _train_step(placement: _Placement, objective: evaluation.Objective,
   step = placement.step(objective, learning_rate_scale, warmup_steps, seed, state)
   teacher_params = (placement.params(objective.teacher_config, teacher[1])
                     if objective.teacher_config else None)
-  encoder_params = placement.params(*encoder) if encoder else None
+  # One copy on the devices when the encoder read is the teacher's (Objective.loss's default).
+  shared = teacher_params is not None and encoder is not None and encoder[1] is teacher[1]
+  encoder_params = placement.params(*encoder) if encoder and not shared else None
   return lambda state, batch: step(state, placement.batch(batch), teacher_params, encoder_params)
 
 
@@ -778,6 +794,41 @@ def _single_device_step(objective: evaluation.Objective, learning_rate_scale: fl
   tests) reuse the compiled step."""
   return jax.jit(make_step(objective, learning_rate_scale, warmup_steps, seed),
                  donate_argnums=(0,))
+
+
+def compile_step(objective: evaluation.Objective, partitioner: partitioning.Partitioner,
+                 batch_size: int, lengths: Tuple[int, int], dtype: str = 'float32') -> Any:
+  """The step compiled ahead of time for `partitioner`'s mesh from shapes alone: nothing is
+  allocated, and the devices may be ones this machine lacks (a TPU topology's, compiled by
+  XLA:TPU here). Its `memory_analysis()` is what one device holds: the student in float32 (as
+  its updates need), the frozen models in `dtype`, the batch [batch_size, lengths (inputs,
+  targets)]. A student reading its teacher's encoder holds one copy of it (`Objective.loss`)."""
+  mesh, rules = partitioner.mesh, partitioner.logical_axis_rules
+
+  def placed(config, dtype=dtype):
+    shapes = jax.eval_shape(lambda: network.init_params(config)[0])
+    shardings = partitioning.params_shardings(
+        shapes, partitioning.params_logical_axes(config), mesh, rules)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=s),
+                        shapes, shardings)
+
+  params, tx = placed(objective.config, 'float32'), make_optimizer(1.0, 1)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  slots = jax.jit(tx.init).lower(params).compile().output_shardings
+  state = {'params': params, 'step': jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+           'opt_state': jax.tree.map(
+               lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                 sharding=_on_mesh(s, replicated)),
+               jax.eval_shape(tx.init, params), slots)}
+  batch = {k: jax.ShapeDtypeStruct((batch_size, lengths[k.startswith('decoder')]),
+                                   jnp.float32 if k.endswith('weights') else jnp.int32,
+                                   sharding=partitioning.batch_sharding(mesh))
+           for k in BATCH_FEATURES}
+  teacher = placed(objective.teacher_config) if objective.teacher_config else None
+  encoder = (placed(objective.encoder_config)
+             if objective.encoder_config not in (None, objective.teacher_config) else None)
+  step = _Placement(partitioner).step(objective, 1.0, 1, 0, state)
+  return step.lower(state, batch, teacher, encoder).compile()
 
 
 def _run_steps(state: State, progress: Dict[str, Any], train_step: Callable,
