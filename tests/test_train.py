@@ -457,3 +457,9 @@ def test_bad_training_settings_are_one_line(tiny_run, tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.startswith('error: ')]
     assert status == 1 and len(lines) == 1 and expected in lines[0], (name, err[-2000:])
     assert 'Traceback' not in err, (name, err[-2000:])
+
+
+def test_gin_binds_the_partitioner_as_for_the_infer_job(tiny_run, capsys):
+  status, err = _train_cli([*tiny_run, '--gin.train.partitioner=@partitioning.Partitioner()',
+                            '--gin.partitioning.Partitioner.mesh_shape=(1, 1)'], capsys)
+  assert status == 0, err[-2000:]
