@@ -16,10 +16,9 @@ test_2016_flickr, the validation split (the first --max_sentences of each, 0: al
 --longest test captions with the longest inputs; the --gammas sweep runs on the test split at
 --sweep_temperature, every other (split, temperature) at the largest gamma only.
 
-Speed (with --sentences): per batch size and draft, `benchmarks.speed`'s block (target-only
-against speculative at every --gammas, greedy, and --sampling_gammas, T=1): alpha, c, BLEU,
-greedy outputs equal to the target alone's (they must be) and the speedup, a ratio within the
-draft's own rounds: compare drafts by it. Writes drafts.json (after every part) and drafts.md.
+Speed (with --sentences): per batch size and draft, `benchmarks.speed`'s block (--gammas
+greedy, --sampling_gammas at T=1), each speedup a ratio within the draft's own rounds: compare
+drafts by it. Writes drafts.json and drafts.md.
 """
 
 from __future__ import annotations

@@ -14,13 +14,11 @@ fixed: the encoder and per-batch overhead; per_position: the choice's measured s
 plain decoder; machine: the shared machine's drift and rare spikes, the same for every choice;
 noise: log-normal per batch and choice. Every fixed choice runs the same batches and draws.
 
-Per scenario, over --seeds seeds: the policy's time on a job's first pass (its whole search
-included, as benchmarks.speed times 'auto') and on later passes (the measurements carried
-over), relative to the best fixed choice and to the plain decoder (> 1: faster), and its batches
-per choice. Deterministic for a seed. --baseline_policy also simulates another policy.py (e.g.
-`git show HEAD:speculative_t5x/policy.py`) on the same draws, in one table. --model_error E
-gives each job a calibration's model (policy_sim_calibrated): the cost model's per-position
-costs, each off by a uniform draw within +-E, checked to E, the first batch its pick.
+Per scenario, over --seeds seeds: the policy's time on a job's first pass (its search
+included) and on later passes, over the best fixed choice's and the plain decoder's (> 1:
+faster), and its batches per choice; deterministic for a seed. --baseline_policy FILE: another
+policy.py on the same draws. --model_error E: each job gets a calibration's model, its
+per-position costs each off by a uniform draw within +-E (policy_sim_calibrated).
 """
 
 from __future__ import annotations

@@ -25,10 +25,9 @@ decoder layers of its widths reading the target's encoder, the embedded draft's 
     pair's acceptance and at the paper's.
   - --distill instead: one distillation step of each draft from the target (`distill_block`).
 
-Writes tpu.json and tpu.md (cpu: scale.json, scale.md; --distill: distill_*) after every block;
---resume keeps the blocks already there. T5X's own greedy loop (`benchmarks.scale_t5x`, run
-apart into t5x_tpu.json) joins the TPU tables. Estimates are a compiler's, for an idle chip: a
-lower bound, not timings (docs/scale.md).
+Writes tpu.json, tpu.md (cpu: scale.*; --distill: distill_*) after every block; --resume keeps
+the blocks there. T5X's loop (`benchmarks.scale_t5x`, apart, into t5x_tpu.json) joins the TPU
+tables. Estimates are a compiler's, for an idle chip: a lower bound, not timings.
 """
 
 from __future__ import annotations
@@ -112,8 +111,9 @@ def decoder(target: network.T5Config, draft: network.T5Config, gamma: int
 def predict_program(model: models.EncoderDecoderModel, mesh: Any, params: Any, batch: int,
                     lengths: Tuple[int, int], placement: str, big_bytes: int
                     ) -> Dict[str, Any]:
-  """Memory, whole-program cost, loop collectives, cache-sized copies (count and bytes) and
-  compile seconds of one predict program for [batch, lengths[0]] inputs, lengths[1] outputs."""
+  """Memory and its fit (`aot.fit`), whole-program cost, loop collectives, cache-sized copies
+  (count and bytes) and compile seconds of one predict program for [batch, lengths[0]] inputs,
+  lengths[1] outputs."""
   fn = partitioning.partition_predict(model, mesh, params=params, draft_placement=placement)
   shapes = {'encoder_input_tokens': jax.ShapeDtypeStruct((batch, lengths[0]), jnp.int32),
             'decoder_input_tokens': jax.ShapeDtypeStruct((batch, lengths[1]), jnp.int32)}
@@ -146,14 +146,6 @@ def estimate(program: Any) -> Dict[str, Any]:
           'collectives': xla.collectives(module.instructions(module.entry, into_loops=True))}
 
 
-def predict_figures(model: Any, mesh: Any, params: Any, batch: int, args: argparse.Namespace,
-                    big_bytes: int) -> Dict[str, Any]:
-  """A whole predict program: its fit in HBM (a TPU's), loop collectives, copies, transfers."""
-  return aot.compile_program(lambda: predict_program(
-      model, mesh, params, batch, (args.input_length, args.output_length), aot.REPLICATED,
-      big_bytes))
-
-
 def distill_block(topology: str, devices: Sequence[Any], size: str, mesh_shape: Tuple[int, int],
                   batch: int, args: argparse.Namespace) -> Dict[str, Any]:
   """--distill: one training step of each draft distilled from the `size` target (the target
@@ -175,14 +167,14 @@ def distill_block(topology: str, devices: Sequence[Any], size: str, mesh_shape: 
 
 
 def distill_markdown(results: Mapping[str, Any]) -> str:
-  meta = results['meta']
-  lines = harness.heading('Distillation step: memory per device (compile-only)', results) + [
-      f"One step of `train.compile_step`: the target frozen (teacher, and the encoder a "
-      f"decoder-only draft reads) in {meta['param_dtype']}, the draft trained in float32 with "
-      f"Adafactor; inputs {meta['input_length']}, targets {meta['output_length']}.", '']
-  rows = [[key, draft, d.get('does_not_fit') or fit_cell(d)]
-          for key, b in results['blocks'].items() for draft, d in b['drafts'].items()]
-  return '\n'.join(lines + harness.table(['block', 'draft', 'GiB per device'], rows) + [''])
+  meta, rows = results['meta'], [[key, draft, d.get('does_not_fit') or fit_cell(d)]
+                                 for key, b in results['blocks'].items()
+                                 for draft, d in b['drafts'].items()]
+  return '\n'.join(harness.heading(
+      f"One distillation step (`train.compile_step`, compile-only): the target frozen in "
+      f"{meta['param_dtype']}, the draft trained in float32; inputs {meta['input_length']}, "
+      f"targets {meta['output_length']}", results) +
+      harness.table(['block', 'draft', 'GiB per device'], rows) + [''])
 
 
 def draft_figures(size: str, draft: str, mesh: Any, batch: int, args: argparse.Namespace,
@@ -203,11 +195,12 @@ def draft_figures(size: str, draft: str, mesh: Any, batch: int, args: argparse.N
   rules = partitioning.model_rules(model, mesh, draft_placement=aot.REPLICATED)
   big = layer_cache_bytes(dict(zip(('target', 'draft'), caches)), mesh, rules)
   out = {'programs': {}}
+  predict = lambda m: aot.compile_program(lambda: predict_program(
+      m, mesh, params, batch, (args.input_length, args.output_length), aot.REPLICATED, big))
   try:  # the whole predict programs first: one that does not fit ends the block
     if with_target:
-      out['target_predict'] = predict_figures(decoder(target, config, 0), mesh, params, batch,
-                                              args, big)
-    out['predict'] = predict_figures(model, mesh, params, batch, args, big)
+      out['target_predict'] = predict(decoder(target, config, 0))
+    out['predict'] = predict(model)
     for name, build in programs.items():
       if with_target or not shared(name):
         program, seconds = xla.time_compile(lambda: aot.compile_program(build))
@@ -331,8 +324,9 @@ def predicted(b: Mapping[str, Any], draft: str, setting: str, alpha: float, meas
 
 
 def summary_line(b: Mapping[str, Any]) -> str:
-  """Progress: each draft's speculative loop and, with estimates, its predicted speedup."""
-  if 'topology' in b and 'device_kind' not in b:  # --distill
+  """Progress: each draft's speculative loop (--distill: its step's fit) and, with estimates,
+  its predicted speedup."""
+  if 'device_kind' not in b:  # --distill
     return '; '.join(f"{k}: {d.get('does_not_fit') or fit_cell(d)}" for k, d in b['drafts'].items())
   if 'does_not_fit' in b:
     return f"does not fit: {b['does_not_fit']}"

@@ -5,10 +5,8 @@
   python -m benchmarks.speed --sampling_gammas 1,auto --bild 0.4:5 --beams 4:1,4:auto
   python -m benchmarks.speed --dtype bfloat16 --sentences 32:512 --gammas 2,4 --rounds 3
 
-The defaults are a short run (81 s on 2 CPU cores, a third of it compiling): greedy target-only
-against speculative gamma 2, at batch 1 and 8. Everything else is opt-in ('auto' compiles
-gammas 0-4, a minute or more per batch size here); the runs behind the README's table are
-scripts/reproduce_results.sh.
+The defaults are a short run (81 s on 2 CPU cores): greedy target-only against speculative
+gamma 2, at batch 1 and 8; the runs behind the README's table: scripts/reproduce_results.sh.
 
 Per batch size the same sentences go through the target alone (the baseline), speculative
 decoding at each --gammas ('auto' as the infer job runs it), the same at T=1 for
@@ -16,17 +14,12 @@ decoding at each --gammas ('auto' as the infer job runs it), the same at T=1 for
 --beams pair, timed round-robin (benchmarks.harness); a sampled pass draws its own samples.
 --dtype bfloat16: 'same as greedy' counts rows equal to bfloat16 target-only greedy.
 
-Per configuration: ms per sentence (compile_s apart), speedup over the baseline of the same
-temperature (median over rounds, with its range), per output token (each round's tokens its own;
-also summed over rounds, with a 90% bootstrap interval), BLEU, whether greedy outputs equal the
-target alone's, alpha, accepted and emitted tokens per target call, c = draft step / target
-step, the paper's predicted speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)),
-efficiency = measured / predicted, a step-cost prediction that charges the verify call its
-measured (gamma+1)-token cost, and Theorem 3.11's extra arithmetic per token with c_hat the
-FLOPs ratio; beam rows: beam steps and tree nodes per target call. Per batch size also the
-cached target step by tokens per row against the weight-streaming and compute floors. Writes
-speed.json (after every batch size) and speed.md. --baseline_policy FILE runs every 'auto' row
-again under the policy in FILE, in the same rounds: a policy change, before and after.
+Per configuration: ms per sentence, the speedup over the baseline of its temperature (median
+over rounds; per output token too, with a 90% bootstrap interval), BLEU, greedy identity, alpha,
+tokens per target call, c, the paper's predicted speedup and efficiency (`harness.predictions`);
+beam rows: beam steps and tree nodes per call; per batch size the target's step by tokens per
+row against the weight-streaming and compute floors. Writes speed.json and speed.md.
+--baseline_policy FILE runs every 'auto' row again under the policy in FILE, in the same rounds.
 """
 
 from __future__ import annotations

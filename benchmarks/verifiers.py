@@ -12,11 +12,9 @@ per target call, per --sampling setting (T=1, T=0.7, T=1 with top-p 0.9); token 
 of as many verified rows (tree nodes = gamma + 1).
 
 Speed: per --sentences pair, target-only sampling at T=1 against speculative sampling at each
---speed_gammas with both verifiers and the --speed_trees, timed as `benchmarks.speed` times
-them (its `batch_block`); a verify call over more than ~9 rows (batch x (gamma + 1)) is
-arithmetic-bound on this CPU, and the table says which rows are. Writes verifiers.json (after
-every part) and verifiers.md. (Greedy identity at T=0: tests/test_verifiers.py; what a verdict
-costs: docs/studies.md.)
+--speed_gammas with both verifiers and the --speed_trees (`benchmarks.speed`'s `batch_block`);
+the table marks the rows whose verify call (batch x (gamma + 1) rows) is arithmetic-bound on
+this CPU (more than ~9). Writes verifiers.json and verifiers.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 
   PYTHONPATH=. /path/to/t5x-venv/bin/python -m benchmarks.vs_t5x --sentences 1:40,8:80
 
-Needs T5X itself (not a dependency: ../shared/docs/t5x_private_install.md installs it in a venv
-of its own); without it the command stops with one line saying so. T5X's side is
-`t5x.models.EncoderDecoderModel.predict_batch_with_aux` over T5X's own example network
-(`t5x.examples.t5.network`) and `t5x.decoding.temperature_sample` at temperature 0, on the
-embedded target's parameters (the trees are T5X's). This project's side: target-only greedy and
-greedy speculative decoding at each --gammas value ('auto' as the infer job runs it). Both sides
-decode the same fixed-shape batches of the first N test_2016_flickr sentences; all
-configurations are timed round-robin (see benchmarks.harness) and each speedup is the median
-over rounds of T5X's pass time over the configuration's in the same round. Outputs are compared
-with T5X's token for token.
+Needs T5X itself, installed apart (docs/t5x.md; without it, one line). T5X's side: its
+`EncoderDecoderModel.predict_batch_with_aux` over its example network and `temperature_sample`
+at temperature 0, on the embedded target's parameters; ours: target-only greedy and speculative
+greedy at each --gammas ('auto' as the infer job runs it), on the same batches of the first N
+test captions, timed round-robin (benchmarks.harness); each speedup is the median over rounds of
+T5X's pass over the configuration's. Outputs are compared with T5X's token for token.
 """
 
 from __future__ import annotations
