@@ -297,9 +297,10 @@ def _prepare_model_dir(model_dir: str, config: network.T5Config) -> Path:
   """The run folder, created, holding config.json (and config.gin when gin configured the run)."""
   model_dir = Path(model_dir).resolve()
   model_dir.mkdir(parents=True, exist_ok=True)
-  (model_dir / 'config.json').write_text(checkpoints.config_to_json(config))
-  if gin.config_str():
-    (model_dir / 'config.gin').write_text(gin.config_str())
+  if jax.process_index() == 0:  # (every host has the same)
+    (model_dir / 'config.json').write_text(checkpoints.config_to_json(config))
+    if gin.config_str():
+      (model_dir / 'config.gin').write_text(gin.config_str())
   vocab = data.vocab_size()
   if config.vocab_size < vocab:
     raise ValueError(f'config.vocab_size {config.vocab_size} < vocabulary size {vocab}.')
@@ -629,7 +630,7 @@ class _Evaluator:
              splits: Sequence[str]) -> Dict[str, Any]:
     """The metrics.jsonl record {'step', 'eval': {split: metrics}} of `params` on `splits`;
     greedy BLEU on the first `bleu_examples` of each (all when None)."""
-    out = {}
+    out, params = {}, _on_host(params)
     for split in splits:
       src, ref = self.validation if split == 'validation' else self.dataset.load(split)[:2]
       start = time.time()
@@ -652,7 +653,7 @@ class _MetricsLog:
   """
 
   def __init__(self, path: Path, schedule: Callable[[Array], Array], every: int):
-    self._file = open(path, 'a')
+    self._file = open(path, 'a') if jax.process_index() == 0 else None  # one log for all hosts
     self._schedule = schedule
     self._every = every
     self.restart_clock()
@@ -661,7 +662,8 @@ class _MetricsLog:
     return self
 
   def __exit__(self, *exc_info) -> None:
-    self._file.close()
+    if self._file:
+      self._file.close()
 
   def due(self, step: int) -> bool:
     return step % self._every == 0 or step == 1
@@ -673,8 +675,9 @@ class _MetricsLog:
     self._window_steps += 1
 
   def write(self, record: Dict[str, Any]) -> None:
-    self._file.write(json.dumps(record) + '\n')
-    self._file.flush()
+    if self._file:
+      self._file.write(json.dumps(record) + '\n')
+      self._file.flush()
 
   def train_metrics(self, step: int, metrics: Dict[str, Any], train_seconds: float,
                     epoch: int) -> None:
@@ -863,8 +866,10 @@ def _run_steps(state: State, progress: Dict[str, Any], train_step: Callable,
 def _finish(results: Dict[str, Any], params: PyTree, config: network.T5Config,
             export_path: Optional[str], distillation: str, evaluator: _Evaluator,
             log: _MetricsLog, model_dir: Path) -> None:
-  """Exports the bf16 weights, evaluates the final splits, writes results.json (and `results`)."""
-  if export_path:
+  """Exports the bf16 weights, evaluates the final splits, writes results.json (and `results`);
+  across hosts, process 0 writes."""
+  params, writes = _on_host(params), jax.process_index() == 0
+  if export_path and writes:
     size = checkpoints.export_weights(params, config, export_path, {
         'step': results['step'], 'train_seconds': results['train_seconds'],
         'distillation': distillation})
@@ -876,7 +881,17 @@ def _finish(results: Dict[str, Any], params: PyTree, config: network.T5Config,
     record = evaluator.final(results['step'], params)
     log.write(record)
     results['eval'] = record['eval']
-  (model_dir / 'results.json').write_text(json.dumps(results, indent=2))
+  if writes:
+    (model_dir / 'results.json').write_text(json.dumps(results, indent=2))
+
+
+def _on_host(params: PyTree) -> PyTree:
+  """`params` whole on this host: a multi-host run's arrays span the processes."""
+  if jax.process_count() == 1:
+    return params
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True)
+                      if isinstance(x, jax.Array) and not x.is_fully_addressable else x, params)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -463,3 +463,36 @@ def test_gin_binds_the_partitioner_as_for_the_infer_job(tiny_run, capsys):
   status, err = _train_cli([*tiny_run, '--gin.train.partitioner=@partitioning.Partitioner()',
                             '--gin.partitioning.Partitioner.mesh_shape=(1, 1)'], capsys)
   assert status == 0, err[-2000:]
+
+
+def test_two_processes_train_as_one(tiny_run, tmp_path):
+  """Two jax.distributed processes (one CPU device each) on a (2, 1) mesh, each feeding its rows
+  of every batch: the same losses as one process, one log, one export, evaluations on both."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  common = [sys.executable, '-m', 'speculative_t5x.train', *tiny_run,
+            '--gin.train.num_train_steps=3', '--gin.train.log_every=1',
+            '--gin.train.eval_every=2', "--gin.train.final_eval_splits=['validation']"]
+  multi = [*common, f"--gin.train.model_dir='{tmp_path / 'multi'}'",
+           f"--gin.train.export_path='{tmp_path / 'multi.msgpack'}'",
+           '--gin.train.partitioner=@partitioning.Partitioner()',
+           '--gin.partitioning.Partitioner.mesh_shape=(2, 1)',
+           f'--coordinator_address=localhost:{port}', '--process_count=2']
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  procs = [subprocess.Popen([*multi, f'--process_index={i}'], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+  single = subprocess.run([*common, f"--gin.train.model_dir='{tmp_path / 'single'}'"], env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert single.returncode == 0, single.stderr[-3000:]
+  losses = {name: [r['loss'] for r in _records(tmp_path / name) if 'loss' in r]
+            for name in ('multi', 'single')}
+  assert len(losses['multi']) == 3  # one process logs
+  np.testing.assert_allclose(losses['multi'], losses['single'], rtol=1e-5)
+  assert (tmp_path / 'multi.msgpack').is_file()
+  evals = [r for r in _records(tmp_path / 'multi') if 'eval' in r]
+  assert [r['step'] for r in evals] == [2, 3]
