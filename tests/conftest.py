@@ -120,6 +120,27 @@ def ragged_tokens(rng, batch: int, length: int, vocab: int, min_length: int = 1)
   return jnp.where(jnp.arange(length)[None] < lengths[:, None], tokens, 0).astype(jnp.int32)
 
 
+def run_command(main, define_flags, name: str, args, capsys):
+  """(exit status, stderr) of the command `name` ARGS through its `main` (after
+  `define_flags`), in this process: its flags, its gin parsing, its error handling."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import gin  # pylint: disable=g-import-not-at-top
+  from speculative_t5x import gin_utils  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  define_flags()
+  flags.FLAGS.unparse_flags()
+  argv = gin_utils.rewrite_gin_args([name, *args])
+  flags.FLAGS(argv)
+  try:
+    main(argv)
+    status = 0
+  except SystemExit as e:
+    status = e.code
+  finally:
+    gin.clear_config()
+  return status, capsys.readouterr().err
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:  # pylint: disable=unused-argument
   """The process that made the run's compilation cache removes it (the workers inherit it)."""
   if _RUN_CACHE is not None:

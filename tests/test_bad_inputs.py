@@ -11,8 +11,6 @@ import re
 import shutil
 import sys
 
-from absl import flags
-import gin
 import pytest
 
 import speculative_t5x
@@ -22,25 +20,15 @@ from speculative_t5x import infer
 from speculative_t5x import inputs
 from speculative_t5x import translate
 from speculative_t5x.errors import InferError
+import conftest
 import infer_hooks
 from test_infer import _infer, _model, setup  # noqa: F401  (setup: a fixture)
 
 
 def _run_infer(args, capsys):
   """(exit status, stderr) of `speculative-t5x-infer ARGS`, in this process."""
-  gin.clear_config()
-  infer._define_flags()
-  flags.FLAGS.unparse_flags()
-  argv = gin_utils.rewrite_gin_args(['speculative-t5x-infer', *args])
-  flags.FLAGS(argv)
-  try:
-    infer.main(argv)
-    status = 0
-  except SystemExit as e:
-    status = e.code
-  finally:
-    gin.clear_config()
-  return status, capsys.readouterr().err
+  return conftest.run_command(infer.main, infer._define_flags,  # pylint: disable=protected-access
+                              'speculative-t5x-infer', args, capsys)
 
 
 def _assert_one_error_line(status, err, expected):

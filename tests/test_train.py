@@ -19,7 +19,9 @@ from speculative_t5x import evaluation
 from speculative_t5x import models
 from speculative_t5x import network
 from speculative_t5x import partitioning
+from speculative_t5x import gin_utils
 from speculative_t5x import train as train_lib
+import conftest
 
 LENGTH = 16
 
@@ -395,22 +397,11 @@ def test_training_reads_tsv_and_jsonl_files(tmp_path):
 
 def _train_cli(args, capsys):
   """(exit status, stderr) of `speculative-t5x-train ARGS`, in this process."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from speculative_t5x import gin_utils  # pylint: disable=g-import-not-at-top
-  gin.clear_config()
-  gin_utils.define_gin_flags()
-  gin_utils.define_process_flags()
-  flags.FLAGS.unparse_flags()
-  argv = gin_utils.rewrite_gin_args(['speculative-t5x-train', *args])
-  flags.FLAGS(argv)
-  try:
-    train_lib.main(argv)
-    status = 0
-  except SystemExit as e:
-    status = e.code
-  finally:
-    gin.clear_config()
-  return status, capsys.readouterr().err
+  def define_flags():
+    gin_utils.define_gin_flags()
+    gin_utils.define_process_flags()
+
+  return conftest.run_command(train_lib.main, define_flags, 'speculative-t5x-train', args, capsys)
 
 
 @pytest.fixture
