@@ -750,10 +750,13 @@ class _StopRule:
 def _objective(config: network.T5Config, distill: _Distillation, teacher: Teacher,
                z_loss: float, label_smoothing: float, encoder: evaluation.Encoder,
                feature_passes: int) -> evaluation.Objective:
-  token_level = distill.mode == 'token'  # (sequence distillation only changes the targets)
-  return evaluation.Objective(config, z_loss, label_smoothing, 'token' if token_level else 'none',
-                   teacher[0] if token_level else None, distill.weight, distill.temperature,
-                   distill.divergence, encoder[0] if encoder else None, feature_passes)
+  """The run's objective: sequence distillation only changes the targets, so it is the plain
+  one."""
+  token_level = distill.mode == 'token'
+  return evaluation.Objective(
+      config, z_loss, label_smoothing, 'token' if token_level else 'none',
+      teacher[0] if token_level else None, distill.weight, distill.temperature,
+      distill.divergence, encoder[0] if encoder else None, feature_passes)
 
 
 def make_step(objective: evaluation.Objective, learning_rate_scale: float, warmup_steps: int,
