@@ -26,12 +26,15 @@ t5x_command=("$T5X_PYTHON" -m t5x.train
   --gin_file=speculative_t5x/gin_configs/t5x/multi30k_distill.gin
   --gin_file=speculative_t5x/gin_configs/t5x/multi30k_task.gin
   "--gin.INITIAL_CHECKPOINT_PATH='$work/pair/checkpoint_0'"
-  "--gin.MODEL_DIR='$work/t5x'" "--gin.TRAIN_STEPS=$steps" "--gin.EVAL_PERIOD=$window"
+  "--gin.MODEL_DIR='$work/t5x'" "--gin.TRAIN_STEPS=$steps" "--gin.train.gc_period=$window"
   --gin.RANDOM_SEED=0 --gin.USE_CACHED_TASKS=False
   --gin.train.infer_eval_dataset_cfg=None --gin.train.train_eval_dataset_cfg=None
   "--gin.utils.RestoreCheckpointConfig.assignment_map=((r'state/param_states.*', None), (r'target/draft/.*', None))")
 echo "== t5x.train, $steps steps" >&2
 "${t5x_command[@]}" > "$work/t5x.log" 2>&1
+# T5X logs its train metrics once an "epoch", here every WINDOW steps (its GC period: without
+# evaluations, its eval period does not count).
+grep -E 'collection=train|Skipping|Restoring' "$work/t5x.log" > "$out/t5x_train.log" || true
 
 project_command=(python -m speculative_t5x.train
   --gin_file=gin_configs/train/multi30k_draft_decoder_only_2layers.gin
@@ -41,6 +44,7 @@ project_command=(python -m speculative_t5x.train
   --gin.train.export_path=None --gin.train.log_every=1)
 echo "== speculative-t5x-train, $steps steps" >&2
 "${project_command[@]}" > "$work/project.log" 2>&1
+cp "$work/project/metrics.jsonl" "$out/project_metrics.jsonl"
 
 python - "$work" "$out" "$window" "${t5x_command[*]}" "${project_command[*]}" <<'EOF'
 import json, pathlib, re, sys

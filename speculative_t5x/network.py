@@ -582,13 +582,11 @@ class Encoder(nn.Module):
 
 def _embedding_first(key: Array, shape: Tuple[int, int], dtype: DType) -> Array:
   """A feature draft's `input_projection` kernel [2 emb, emb] at init: the embedding passed
-  through, and feature rows drawn as any fresh Dense kernel's (fan-in over both halves), so a
-  feature draft warm-started from a plain draft's weights starts near that draft. Zero feature
-  rows trained no further than RMS 0.03 in an hour (docs/drafts.md): Adafactor's updates are
-  relative to the kernel's scale, so rows that start at zero stay small."""
+  through, the feature ignored, so a feature draft warm-started from a plain draft's weights
+  starts as that draft (its feature rows then learn from their gradient)."""
+  del key
   emb = shape[1]
-  fresh = Dense.kernel_init(key, shape, dtype)
-  return jnp.concatenate([jnp.eye(emb, dtype=dtype), fresh[emb:]])
+  return jnp.concatenate([jnp.eye(emb, dtype=dtype), jnp.zeros((shape[0] - emb, emb), dtype)])
 
 
 class Decoder(nn.Module):
