@@ -15,9 +15,12 @@ cd "$(dirname "$0")/.."
 out="${1:-results/cpu/t5x_train}"
 steps="${STEPS:-300}"
 window="${WINDOW:-50}"
+if [[ -z "${T5X_PYTHON:-}" ]]; then
+  echo "error: set T5X_PYTHON to the python of a T5X install (docs/t5x.md)" >&2
+  exit 1
+fi
 work="$(mktemp -d)"
 mkdir -p "$out"
-: "${T5X_PYTHON:?set T5X_PYTHON to the python of a T5X install (docs/t5x.md)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 "$T5X_PYTHON" -m speculative_t5x.t5x_adapter --output_dir="$work/pair" >/dev/null
@@ -34,7 +37,7 @@ echo "== t5x.train, $steps steps" >&2
 "${t5x_command[@]}" > "$work/t5x.log" 2>&1
 # T5X logs its train metrics once an "epoch", here every WINDOW steps (its GC period: without
 # evaluations, its eval period does not count).
-grep -E 'collection=train|Skipping|Restoring' "$work/t5x.log" > "$out/t5x_train.log" || true
+grep -E 'collection=train .*loss=|Restoring' "$work/t5x.log" > "$out/t5x_train.log" || true
 
 project_command=(python -m speculative_t5x.train
   --gin_file=gin_configs/train/multi30k_draft_decoder_only_2layers.gin
@@ -61,8 +64,11 @@ for end in sorted(t5x):
   rows.append(f'| {end - window + 1}-{end} | {t5x[end]:.4f} | {mean:.4f} | '
               f'{(t5x[end] - mean) / mean:+.1%} |')
 text = (f'# t5x.train against speculative-t5x-train: a fresh embedded draft distilled from the '
-        f'target\n\n`{sys.argv[4]}`\n\n`{sys.argv[5]}`\n\nLoss per target token (forward KL), '
-        f'the mean of each {window}-step window:\n\n' + '\n'.join(rows) + '\n')
+        'target\n\nWritten by scripts/t5x_train_check.sh (T5X installed apart, docs/t5x.md). '
+        "t5x_train.log: T5X's restore (every target/target key from the checkpoint, no "
+        'target/draft key: the draft starts fresh) and its train metrics per window.\n\n'
+        f'`{sys.argv[4]}`\n\n`{sys.argv[5]}`\n\nLoss per target token (forward KL), the mean '
+        f'of each {window}-step window:\n\n' + '\n'.join(rows) + '\n')
 (out / 't5x_train.md').write_text(text)
 print(text)
 EOF
