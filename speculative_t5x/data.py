@@ -436,6 +436,9 @@ class PackedBatches:
 
   def __next__(self) -> Dict[str, np.ndarray]:
     rows = self._epoch_rows()
+    if len(rows) < self.batch_size:
+      raise ValueError(f'The training data packs into {len(rows)} rows, fewer than one batch of '
+                       f'{self.batch_size}: lower batch_size or give more examples.')
     if (self.batch_in_epoch + 1) * self.batch_size > len(rows):
       self.epoch, self.batch_in_epoch = self.epoch + 1, 0
       rows = self._epoch_rows()

@@ -325,20 +325,27 @@ def test_a_feature_draft_trains_on_its_target_s_features(multi30k, tmp_path):
 def _eight_devices(*args):
   """`train_sharding_worker.py args` on 8 simulated CPU devices (the flag must precede JAX's
   initialisation, hence a subprocess); its RESULT line."""
+  root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
-      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip())
+      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip(),
+             PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get('PYTHONPATH')])))
   worker = pathlib.Path(__file__).with_name('train_sharding_worker.py')
-  proc = subprocess.run([sys.executable, str(worker), *map(str, args)], env=env,
+  proc = subprocess.run([sys.executable, str(worker), *map(str, args)], env=env, cwd=root,
                         capture_output=True, text=True, timeout=900)
   lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   return json.loads(lines[-1][len('RESULT '):])
 
 
-def test_a_distillation_step_on_a_mesh_equals_one_device():
-  report = _eight_devices('1x8', '2x4', '8x1')
-  assert report['devices'] == 8
-  for name, result in report['results'].items():
+def test_training_on_a_mesh_equals_one_device_resumes_and_reports_its_memory(tmp_path):
+  """One subprocess of 8 CPU devices (its start is most of the cost): a distillation step on
+  meshes (1, 8), (2, 4), (8, 1) against one device; a run on the (2, 4) mesh stopped and
+  resumed; the distillation step's memory per mesh (benchmarks.scale --distill)."""
+  report = _eight_devices(tmp_path / 'runs', _pairs_file(tmp_path / 'train.tsv', PAIRS * 4),
+                          '1x8', '2x4', '8x1')
+  step = report['step']
+  assert step['devices'] == 8
+  for name, result in step['results'].items():
     assert result['grad_scale'] > 1e-3, (name, result)  # gradients worth comparing
     for shape, shards in (('1x8', 8), ('2x4', 4), ('8x1', 1)):
       if name == 'decoder_only_draft' and shape != '8x1':
@@ -348,13 +355,18 @@ def test_a_distillation_step_on_a_mesh_equals_one_device():
       assert got['loss'] <= 1e-5 * abs(result['loss']), (name, shape, got)
       assert got['grads'] <= 1e-5 * result['grad_scale'] + 1e-7, (name, shape, got)
       assert got['params_after_step'] <= 1e-5, (name, shape, got)
-
-
-def test_a_run_on_a_mesh_resumes_exactly(multi30k, tmp_path):
-  report = _eight_devices('--resume', multi30k, tmp_path)
-  assert report['steps'] == 4
-  assert report['losses'] == report['state'] == 0.0, report
-  assert report['one_device_losses'] < 1e-4, report
+  # Resumed on the mesh: the same losses and state as straight through; close to one device.
+  resume = report['resume']
+  assert resume['steps'] == 4
+  assert resume['losses'] == resume['state'] == 0.0, resume
+  assert resume['one_device_losses'] < 1e-4, resume
+  # Splitting the frozen teacher over 'model' lowers what a device holds, for both students.
+  blocks = report['distill_memory']
+  assert set(blocks) == {'cpu tiny 1x8 b8', 'cpu tiny 8x1 b8'}
+  for draft in ('small', 'small-dec2'):
+    split, whole = (blocks[f'cpu tiny {m} b8']['drafts'][draft]['fit']['bytes']
+                    for m in ('1x8', '8x1'))
+    assert 0 < split < whole, (draft, split, whole)
 
 
 def test_a_batch_the_mesh_cannot_split_is_one_line(multi30k, tmp_path):
@@ -430,7 +442,9 @@ def _teacher_of_another_vocabulary(tmp_path):
 
 
 def test_bad_training_settings_are_one_line(tiny_run, tmp_path, capsys):
-  no_target = _pairs_file(tmp_path / 'no_target.jsonl', [('Ein Hund.', 'A dog.'), ('Eine Katze.', '')])
+  no_target = _pairs_file(tmp_path / 'no_target.jsonl',
+                          [('Ein Hund.', 'A dog.'), ('Eine Katze.', '')])
+  one = _pairs_file(tmp_path / 'one.tsv', PAIRS[:1])
   cases = {
       'unknown binding': (['--gin.train.bogus=1'], 'bogus'),
       'missing teacher': (["--gin.train.distillation='token'",
@@ -439,6 +453,9 @@ def test_bad_training_settings_are_one_line(tiny_run, tmp_path, capsys):
           ["--gin.train.distillation='token'",
            f"--gin.train.teacher='{_teacher_of_another_vocabulary(tmp_path)}'"],
           'share the (padded) vocabulary'),
+      'fewer examples than a batch': (
+          [f"--gin.train.data_files={{'train': '{one}', 'validation': '{one}'}}"],
+          'packs into 1 rows, fewer than one batch of 4'),
       'a training line without a target': (
           [f"--gin.train.data_files={{'train': '{no_target}'}}"],
           'no_target.jsonl:2: a training example needs a target'),
@@ -477,9 +494,12 @@ def test_two_processes_train_as_one(tiny_run, tmp_path):
   for proc in procs:
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-  single = subprocess.run([*common, f"--gin.train.model_dir='{tmp_path / 'single'}'"], env=env,
-                          capture_output=True, text=True, timeout=600)
-  assert single.returncode == 0, single.stderr[-3000:]
+  # The same run in this process (one device; tiny_run's settings).
+  train_file = str(tmp_path / 'train.tsv')
+  train_lib.train(model_dir=str(tmp_path / 'single'), config=_tiny_config(),
+                  data_files={'train': train_file, 'validation': train_file}, batch_size=4,
+                  max_input_length=LENGTH, max_target_length=LENGTH, num_train_steps=3,
+                  log_every=1, eval_every=2, final_eval_splits=['validation'])
   losses = {name: [r['loss'] for r in _records(tmp_path / name) if 'loss' in r]
             for name in ('multi', 'single')}
   assert len(losses['multi']) == 3  # one process logs

@@ -4,8 +4,9 @@ One distillation step of a small draft (a T5 with its own encoder, and a decoder
 reading the teacher's encoder), its teacher a larger T5, on one device and on the (data, model)
 meshes given on the command line; prints one JSON line with, per draft and mesh, the largest
 differences from one device in the loss, the gradients and the params after the step (Adafactor
-included), and how many shards the student's query kernel and the teacher's have. With
-`--resume DATA_DIR RUN_DIR`: a training run on a mesh, stopped and resumed (`resumed_on_a_mesh`).
+included), and how many shards the student's query kernel and the teacher's have; then a
+training run on a mesh, stopped and resumed (`resumed_on_a_mesh`), and the distillation step's
+memory per mesh (`distill_memory`). Arguments: RUN_DIR TRAINING_FILE MESH...
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from speculative_t5x import evaluation
 from speculative_t5x import network
 from speculative_t5x import partitioning
 from speculative_t5x import train
+from benchmarks import scale
 from fast_params import random_params
 
 # Heads, mlp and vocab divisible by 8, so that every mesh really splits them.
@@ -77,14 +79,15 @@ def largest(a, b) -> float:
   return float(max(np.max(np.abs(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
 
 
-def main(mesh_shapes):
+def step_on_meshes(mesh_shapes) -> dict:
+  """Per student and mesh: one step's differences from one device (the module's docstring)."""
   teacher = random_params(TEACHER, 0)
   students = {
       'draft': (evaluation.Objective(DRAFT, distillation='token', teacher_config=TEACHER,
-                                kd_weight=0.5), random_params(DRAFT, 1), None),
-      'decoder_only_draft': (evaluation.Objective(READER, distillation='token', teacher_config=TEACHER,
-                                             encoder_config=TEACHER), random_params(READER, 2),
-                             teacher),
+                                     kd_weight=0.5), random_params(DRAFT, 1), None),
+      'decoder_only_draft': (evaluation.Objective(READER, distillation='token',
+                                                  teacher_config=TEACHER, encoder_config=TEACHER),
+                             random_params(READER, 2), teacher),
   }
   report = {'devices': jax.device_count(), 'results': {}}
   for name, (objective, params, encoder) in students.items():
@@ -100,17 +103,25 @@ def main(mesh_shapes):
                        'params_after_step': largest(got[2], after),
                        'query_shards': got[3][0], 'teacher_query_shards': got[3][1]}
     report['results'][name] = result
-  print('RESULT ' + json.dumps(report), flush=True)
+  return report
 
 
-def resumed_on_a_mesh(data_dir: str, run_dir: str) -> dict:
-  """`train.train` of a tiny model on the (2, 4) mesh: 4 steps straight, and 2 steps then a
-  restart to 4; the largest differences in the per-step losses and the final state, and the
-  losses' gap to the same run on one device."""
+def distill_memory(out_dir: str) -> dict:
+  """`benchmarks.scale --tiny --distill` on the (1, 8) and (8, 1) meshes: its blocks."""
+  scale.main(['--tiny', '--distill', '--batches', '8', '--meshes', 'model,data',
+              '--out_dir', out_dir])
+  return json.loads(pathlib.Path(out_dir, 'distill_scale.json').read_text())['blocks']
+
+
+def resumed_on_a_mesh(run_dir: str, data_file: str) -> dict:
+  """`train.train` of a tiny model on the (2, 4) mesh, over the pairs of `data_file`: 4 steps
+  straight, and 2 steps then a restart to 4; the largest differences in the per-step losses and
+  the final state, and the losses' gap to the same run on one device."""
   tiny = dataclasses.replace(DRAFT, vocab_size=data.padded_vocab_size())
-  settings = dict(config=tiny, data_dir=data_dir, max_input_length=16, max_target_length=16,
+  files = {'train': data_file, 'validation': data_file}
+  settings = dict(config=tiny, data_files=files, max_input_length=16, max_target_length=16,
                   batch_size=8, learning_rate_scale=0.1, warmup_steps=1, log_every=1,
-                  eval_every=0, final_eval_splits=(), max_train_examples=64)
+                  eval_every=0, final_eval_splits=())
 
   def run(name, steps, partitioner, **more):
     return train.train(model_dir=f'{run_dir}/{name}', num_train_steps=steps,
@@ -132,7 +143,7 @@ def resumed_on_a_mesh(data_dir: str, run_dir: str) -> dict:
 
 
 if __name__ == '__main__':
-  if sys.argv[1] == '--resume':
-    print('RESULT ' + json.dumps(resumed_on_a_mesh(*sys.argv[2:4])), flush=True)
-  else:
-    main(sys.argv[1:])
+  run_dir, data_file, *meshes = sys.argv[1:]
+  print('RESULT ' + json.dumps({'step': step_on_meshes(meshes),
+                                'resume': resumed_on_a_mesh(run_dir, data_file),
+                                'distill_memory': distill_memory(f'{run_dir}/scale')}), flush=True)
