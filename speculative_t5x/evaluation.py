@@ -153,7 +153,8 @@ class Objective:
     `teacher_params`."""
     model = network.Transformer(self.config)
     teacher = network.Transformer(self.teacher_config) if self.teacher_config else None
-    if encoder_params is None and self.encoder_config == self.teacher_config:
+    if encoder_params is None and self.encoder_config is not None and (
+        self.encoder_config == self.teacher_config):
       encoder_params = teacher_params  # the student reads its teacher's encoder: one copy
     args = (batch['encoder_input_tokens'], batch['decoder_input_tokens'],
             batch['decoder_target_tokens'], batch.get('encoder_segment_ids'),
@@ -171,7 +172,7 @@ class Objective:
       teacher_logits = jax.lax.stop_gradient(
           teacher.apply({'params': teacher_params}, *args, enable_dropout=False))
       kd = distillation_loss(logits, teacher_logits, weights, self.kd_temperature,
-                                        self.kd_divergence)
+                             self.kd_divergence)
       metrics['kd_loss'] = kd
       loss = (1.0 - self.kd_weight) * loss + self.kd_weight * kd
     # Per-token mean: Adafactor is scale-invariant anyway, and the value reads as a per-token
