@@ -46,6 +46,11 @@ Recipe (the embedded Multi30k De->En pair; every file below ships in the package
      file runs T5X's own EncoderDecoderModel, minimal T5 network and temperature_sample
      (temperature 0) on the checkpoint's target half; the predictions of step 2 equal its.
 
+Training a draft: `DistillationEncoderDecoderModel` is the same pair with a loss, token
+distillation of the draft from the frozen target (`evaluation.Objective`, this project's
+trainer's), for `python -m t5x.train` with gin_configs/t5x/multi30k_distill.gin (its header
+has the command; docs/t5x.md).
+
 `speculative_sample`'s own default is temperature 1 (sampling): without speculative_greedy.gin
 (or an equivalent binding) this model samples. `score_batch` (with `return_intermediates`, as
 T5X's) and the training losses use the target alone.
