@@ -37,7 +37,8 @@ echo "== t5x.train, $steps steps" >&2
 "${t5x_command[@]}" > "$work/t5x.log" 2>&1
 # T5X logs its train metrics once an "epoch", here every WINDOW steps (its GC period: without
 # evaluations, its eval period does not count).
-grep -E 'collection=train .*loss=|Restoring' "$work/t5x.log" > "$out/t5x_train.log" || true
+grep -E 'collection=train .*loss=|Restoring' "$work/t5x.log" | sed "s|$work|\$WORK|g" \
+  > "$out/t5x_train.log" || true
 
 project_command=(python -m speculative_t5x.train
   --gin_file=gin_configs/train/multi30k_draft_decoder_only_2layers.gin
@@ -50,8 +51,11 @@ echo "== speculative-t5x-train, $steps steps" >&2
 cp "$work/project/metrics.jsonl" "$out/project_metrics.jsonl"
 
 python - "$work" "$out" "$window" "${t5x_command[*]}" "${project_command[*]}" <<'EOF'
-import json, pathlib, re, sys
+import json, os, pathlib, re, sys
 work, out, window = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
+# The commands as a reader reruns them: no path of this machine.
+commands = [c.replace(str(work), '$WORK').replace(os.environ['T5X_PYTHON'], '$T5X_PYTHON')
+            for c in sys.argv[4:6]]
 # T5X logs each window's mean metrics as "[step] collection=train ... loss=..., ...".
 t5x = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
     r'\[(\d+)\] collection=train .*?\bloss=([\d.e+-]+)', (work / 't5x.log').read_text())}
@@ -66,8 +70,9 @@ for end in sorted(t5x):
 text = (f'# t5x.train against speculative-t5x-train: a fresh embedded draft distilled from the '
         'target\n\nWritten by scripts/t5x_train_check.sh (T5X installed apart, docs/t5x.md). '
         "t5x_train.log: T5X's restore (every target/target key from the checkpoint, no "
-        'target/draft key: the draft starts fresh) and its train metrics per window.\n\n'
-        f'`{sys.argv[4]}`\n\n`{sys.argv[5]}`\n\nLoss per target token (forward KL), the mean '
+        'target/draft key: the draft starts fresh) and its train metrics per window. $WORK: the '
+        "script's temporary folder.\n\n"
+        f'`{commands[0]}`\n\n`{commands[1]}`\n\nLoss per target token (forward KL), the mean '
         f'of each {window}-step window:\n\n' + '\n'.join(rows) + '\n')
 (out / 't5x_train.md').write_text(text)
 print(text)
