@@ -121,6 +121,17 @@ def read_input_file(path: os.PathLike, input_format: str = 'auto',
   return examples
 
 
+def read_pairs(path: os.PathLike) -> Tuple[List[str], List[str]]:
+  """(inputs, targets) of a TSV or JSONL file of training pairs (`read_input_file`'s formats);
+  InferError naming the first line without a target."""
+  examples = read_input_file(path)
+  untargeted = next((e for e in examples if e.targets is None), None)
+  if untargeted is not None:
+    raise InferError(f'{path}:{untargeted.index + 1}: a training example needs a target '
+                     '(TSV: input<TAB>target; JSONL: "targets").')
+  return [e.inputs for e in examples], [e.targets for e in examples]
+
+
 def _tsv_fields(text: str, where: str) -> Tuple[str, Optional[str]]:
   """(input, target) of a TSV line; an empty line (skipped by the caller) has no target."""
   fields = text.split('\t')

@@ -170,12 +170,8 @@ def load_examples(split: str, source_language: str, target_language: str,
   (tests/test_data.py checks the tasks against the plain path).
   """
   if data_file is not None:
-    examples = inputs_lib.read_input_file(data_file)[:max_examples]
-    untargeted = next((e for e in examples if e.targets is None), None)
-    if untargeted is not None:
-      raise InferError(f'{data_file}:{untargeted.index + 1}: a training example needs a target '
-                       '(TSV: input<TAB>target; JSONL: "targets").')
-    sources, references = [e.inputs for e in examples], [e.targets for e in examples]
+    sources, references = inputs_lib.read_pairs(data_file)
+    sources, references = sources[:max_examples], references[:max_examples]
     return (sources, references,
             *data.tokenize_pairs(sources, references, max_input_length, max_target_length))
   if mixture_or_task_name is None:

@@ -1,6 +1,7 @@
 """Tests of the Multi30k vocabulary, tokenization, packing and seqio tasks (speculative_t5x.data)."""
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -112,6 +113,30 @@ def test_seqio_tasks(multi30k):
   test = task.get_dataset(None, split='test', shuffle=False)
   assert sum(1 for _ in test) == 1000
   assert task.metric_fns[0](targets[:5], targets[:5])['bleu'] == pytest.approx(100.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('seqio') is None, reason='seqio is not installed.')
+def test_file_task_mixed_with_a_task(tmp_path):
+  import seqio  # pylint: disable=g-import-not-at-top
+  from speculative_t5x import errors, tasks  # pylint: disable=g-import-not-at-top
+  pairs = [('Ein Hund läuft.', 'A dog runs.'), ('Zwei\tMänner.', 'Two men.')]  # a tab in a caption
+  path = tmp_path / 'teacher.jsonl'
+  path.write_text(''.join(json.dumps({'inputs': s, 'targets': t}) + '\n' for s, t in pairs))
+  name = tasks.mix_with_files('multi30k_de_en', {'train': str(path)}, name='teacher_mix')
+  assert name == 'teacher_mix'
+  mixture = seqio.get_mixture_or_task(name)
+  assert sorted(t.name for t in mixture.tasks) == ['multi30k_de_en', 'teacher_mix_files']
+  assert mixture.get_rate(seqio.get_mixture_or_task('teacher_mix_files')) == 1.0
+  got = list(seqio.get_mixture_or_task('teacher_mix_files').get_dataset(
+      None, split='train', shuffle=False).as_numpy_iterator())
+  for ex, ids in zip(got, data.encode([s for s, _ in pairs])):
+    np.testing.assert_array_equal(ex['inputs'], ids)
+  np.testing.assert_array_equal([ex['targets'] for ex in got][0],
+                                data.encode([pairs[0][1]])[0])
+  assert tasks.mix_with_files('multi30k_de_en', {'train': str(path)}, name='teacher_mix') == name
+  path.write_text(json.dumps({'inputs': 'Ein Hund.'}) + '\n')
+  with pytest.raises(errors.InferError, match=r'teacher.jsonl:1: a training example needs a target'):
+    list(seqio.get_mixture_or_task('teacher_mix_files').get_dataset(None, split='train'))
 
 
 @pytest.fixture
