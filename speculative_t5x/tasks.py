@@ -15,6 +15,7 @@ kd_sequences='both' does (gin_configs/t5x/multi30k_distill_teacher.gin).
 from typing import Mapping
 
 import seqio
+import tensorflow as tf
 
 from speculative_t5x import data
 from speculative_t5x import inputs
@@ -27,19 +28,19 @@ def _file_dataset_fn(files: Mapping[str, str]):
 
   def dataset_fn(split: str, shuffle_files: bool, seed=None):
     del shuffle_files, seed  # One file a split: nothing to shuffle; seqio shuffles examples.
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     sources, targets = inputs.read_pairs(files[split])
     return tf.data.Dataset.from_tensor_slices({'inputs': sources, 'targets': targets})
 
   return dataset_fn
 
 
-def file_task(name: str, files: Mapping[str, str]) -> str:
+def file_task(name: str, files: Mapping[str, str], like: str = TASK_NAMES[0]) -> str:
   """Registers seqio task `name` over TSV or JSONL files by split ({'train': 'teacher.tsv'}),
-  with `multi30k_de_en`'s vocabulary, preprocessors and metric; returns `name`."""
+  with the vocabulary, preprocessors and metrics of task (or a mixture's first task) `like`;
+  returns `name`."""
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)  # Gin calls this once per dataset config.
-  template = seqio.get_mixture_or_task(TASK_NAMES[0])
+  template = seqio.get_subtasks(seqio.get_mixture_or_task(like))[0]
   seqio.TaskRegistry.add(
       name, source=seqio.FunctionDataSource(_file_dataset_fn(dict(files)), splits=tuple(files)),
       preprocessors=template.preprocessors, output_features=template.output_features,
@@ -53,6 +54,6 @@ def mix_with_files(task: str, files: Mapping[str, str], name: str = '') -> str:
   name = name or f'{task}_and_files'
   if name in seqio.MixtureRegistry.names():
     seqio.MixtureRegistry.remove(name)
-  seqio.MixtureRegistry.add(name, [(task, 1.0), (file_task(f'{name}_files', files), 1.0)])
+  seqio.MixtureRegistry.add(name, [(task, 1.0), (file_task(f'{name}_files', files, task), 1.0)])
   return name
 
