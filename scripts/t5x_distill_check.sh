@@ -80,4 +80,21 @@ done
 grep -E 'collection=train .*loss=' "$work/t5x.log" | sed "s|$work|\$WORK|g" > "$out/t5x_train.log" || true
 printf '%s\n' "${t5x_command[*]}" | sed -e "s|$work|\$WORK|g" -e "s|${T5X_PYTHON}|\$T5X_PYTHON|g" \
   > "$out/command.txt"
+python - "$out" "$steps" <<'PY'
+import pathlib, sys
+out, steps = pathlib.Path(sys.argv[1]), sys.argv[2]
+rows = [l for l in (out / 'drafts.md').read_text().splitlines() if l.startswith('|')]
+header = next(i for i, l in enumerate(rows) if '| alpha |' in l)
+acceptance = rows[header:header + 2] + [l for l in rows if '| test (' in l or '| validation (' in l]
+(out / 't5x_distill.md').write_text(
+    '# A draft distilled by python -m t5x.train against the shipped draft\n\n'
+    'Written by scripts/t5x_distill_check.sh (T5X installed apart, docs/t5x.md): the shipped '
+    "draft's last stage (gin_configs/train/multi30k_draft_decoder_only_2layers.gin) trained "
+    f'in T5X for {steps} steps from the same step 0, on each training caption with its '
+    "reference and with the target's greedy output. $WORK: the script's working folder.\n\n"
+    f"`{(out / 'command.txt').read_text().strip()}`\n\n"
+    'Acceptance of both drafts, token verification at gamma 4 (drafts.md: the command, the '
+    'drafts alone and the 100 longest inputs; t5x_train.log: the loss every 100 steps):\n\n'
+    + '\n'.join(acceptance) + '\n')
+PY
 echo "Written: $out (the T5X run stays in $work)" >&2
