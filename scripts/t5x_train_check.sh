@@ -8,7 +8,11 @@
 # file, e.g. the step 0 scripts/t5x_distill_check.sh writes) both start from that draft instead,
 # so only the batches and dropout draws differ.
 #
-#   T5X_PYTHON=/path/to/t5x-venv/bin/python [INIT=draft.msgpack] scripts/t5x_train_check.sh [OUT]
+# PACK=0 trains both on unpacked rows (one example a row): seqio's packing fits fewer target
+# tokens into a batch than the project's, so packed steps differ in size.
+#
+#   T5X_PYTHON=/path/to/t5x-venv/bin/python [INIT=draft.msgpack] [PACK=0] \
+#     scripts/t5x_train_check.sh [OUT]
 #
 # OUT defaults to results/cpu/t5x_train. Needs T5X installed apart (docs/t5x.md), the data folder
 # ($SPECULATIVE_T5X_DATA) and this checkout on T5X's Python path.
@@ -26,13 +30,14 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 init="${INIT:-}"
+pack=True; [[ "${PACK:-1}" == 0 ]] && pack=False
 if [[ -n "$init" ]]; then
   draft_args=(--draft="$init")
   fresh=()  # T5X restores the draft from the pair; the project's trainer starts from INIT.
   start="--gin.train.init_from='$init'"
 else
   draft_args=()
-  fresh=(", (r'target/draft/.*', None)")  # T5X starts the draft fresh, as the project's trainer.
+  fresh=(" (r'target/draft/.*', None)")  # T5X starts the draft fresh, as the project's trainer.
   start=--gin.train.init_from=None
 fi
 "$T5X_PYTHON" -m speculative_t5x.t5x_adapter --output_dir="$work/pair" "${draft_args[@]}" >/dev/null
@@ -44,7 +49,8 @@ t5x_command=("$T5X_PYTHON" -m t5x.train
   "--gin.MODEL_DIR='$work/t5x'" "--gin.TRAIN_STEPS=$steps" "--gin.train.gc_period=$window"
   --gin.RANDOM_SEED=0 --gin.USE_CACHED_TASKS=False
   --gin.train.infer_eval_dataset_cfg=None --gin.train.train_eval_dataset_cfg=None
-  "--gin.utils.RestoreCheckpointConfig.assignment_map=((r'state/param_states.*', None)${fresh[*]})")
+  "--gin.train/utils.DatasetConfig.pack=$pack"
+  "--gin.utils.RestoreCheckpointConfig.assignment_map=((r'state/param_states.*', None),${fresh[*]})")
 echo "== t5x.train, $steps steps" >&2
 "${t5x_command[@]}" > "$work/t5x.log" 2>&1
 # T5X logs its train metrics once an "epoch", here every WINDOW steps (its GC period: without
@@ -55,7 +61,7 @@ grep -E 'collection=train .*loss=|Restoring' "$work/t5x.log" | sed "s|$work|\$WO
 project_command=(python -m speculative_t5x.train
   --gin_file=gin_configs/train/multi30k_draft_decoder_only_2layers.gin
   "--gin.train.model_dir='$work/project'" "$start" --gin.train.init_partial=False
-  "--gin.train.kd_sequences='data'" "--gin.train.num_train_steps=$steps"
+  "--gin.train.kd_sequences='data'" "--gin.train.num_train_steps=$steps" "--gin.train.pack=$pack"
   --gin.train.max_train_seconds=None --gin.train.eval_every=0 --gin.train.final_eval_splits=[]
   --gin.train.export_path=None --gin.train.log_every=1)
 echo "== speculative-t5x-train, $steps steps" >&2
