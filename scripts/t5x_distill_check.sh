@@ -16,11 +16,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-results/cpu/t5x_distill}"
 steps="${STEPS:-3537}"
-work="${WORK:-$(mktemp -d)}"
 if [[ -z "${T5X_PYTHON:-}" ]]; then
   echo "error: set T5X_PYTHON to the python of a T5X install (docs/t5x.md)" >&2
   exit 1
 fi
+work="${WORK:-$(mktemp -d)}"
 mkdir -p "$out" "$work"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 shipped=speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack

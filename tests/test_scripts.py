@@ -90,9 +90,10 @@ def test_t5x_recipe_names_an_unknown_decoding_file():
   assert proc.stderr.startswith('error: DECODING=greedy.gin is not one of gin_configs/t5x/')
 
 
-def test_t5x_train_check_without_t5x_is_one_line(tmp_path):
+@pytest.mark.parametrize('script', ['t5x_train_check.sh', 't5x_distill_check.sh'])
+def test_t5x_check_without_t5x_is_one_line(tmp_path, script):
   env = {k: v for k, v in os.environ.items() if k != 'T5X_PYTHON'}
-  proc = subprocess.run(['bash', str(SCRIPTS / 't5x_train_check.sh'), str(tmp_path / 'out')],
+  proc = subprocess.run(['bash', str(SCRIPTS / script), str(tmp_path / 'out')],
                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
   assert proc.returncode == 1 and proc.stderr.strip().startswith('error: set T5X_PYTHON')
   assert not (tmp_path / 'out').exists()
