@@ -56,4 +56,3 @@ def mix_with_files(task: str, files: Mapping[str, str], name: str = '') -> str:
     seqio.MixtureRegistry.remove(name)
   seqio.MixtureRegistry.add(name, [(task, 1.0), (file_task(f'{name}_files', files, task), 1.0)])
   return name
-
