@@ -114,7 +114,8 @@ def test_imports_without_t5x():
 # The gin files.
 
 T5X_GIN_FILES = ('vocab_multi30k.gin', 'multi30k_pair.gin', 'speculative_greedy.gin', 'bild.gin',
-                 'multi30k_task.gin', 'multi30k_target_t5x_greedy.gin', 'multi30k_distill.gin')
+                 'multi30k_task.gin', 'multi30k_target_t5x_greedy.gin', 'multi30k_distill.gin',
+                 'multi30k_distill_teacher.gin')
 
 
 def test_docstring_recipe_names_shipped_files():
@@ -165,7 +166,7 @@ def test_t5x_gin_files_name_only_what_they_import(name):
   selectors |= set(re.findall(r'^(?:\w+/)*([\w.]+):\s*$', code, re.M))  # binding blocks
   macros = set(re.findall(r'^([A-Z][A-Z0-9_]*)\s*=', code, re.M))
   assert macros <= {'VOCABULARY', 'MODEL', 'MIXTURE_OR_TASK_NAME', 'TASK_FEATURE_LENGTHS',
-                    'OPTIMIZER', 'BATCH_SIZE'}
+                    'OPTIMIZER', 'BATCH_SIZE', 'TEACHER_OUTPUTS'}
   assert selectors or macros, name
   for selector in selectors:
     assert selector.split('.')[0] in aliases, (name, selector)
