@@ -14,12 +14,12 @@ kd_sequences='both' does (gin_configs/t5x/multi30k_distill_teacher.gin).
 
 from typing import Mapping
 
-import seqio
-import tensorflow as tf
-
+import speculative_t5x
 from speculative_t5x import data
 from speculative_t5x import inputs
 
+# Without the data extra: one line naming it (MissingExtraError), not an ImportError's traceback.
+seqio = speculative_t5x.require('seqio', 'data', 'seqio tasks')
 TASK_NAMES = data.register_tasks()
 
 
@@ -28,6 +28,7 @@ def _file_dataset_fn(files: Mapping[str, str]):
 
   def dataset_fn(split: str, shuffle_files: bool, seed=None):
     del shuffle_files, seed  # One file a split: nothing to shuffle; seqio shuffles examples.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (seqio brings it)
     sources, targets = inputs.read_pairs(files[split])
     return tf.data.Dataset.from_tensor_slices({'inputs': sources, 'targets': targets})
 
