@@ -107,9 +107,8 @@ class Setting(NamedTuple):
 
   @property
   def tree(self) -> Tuple[int, ...]:
-    if self.branching == policy.AUTO:
-      return ()
-    return tuple(int(b) for b in self.branching.split(',') if b)
+    return () if self.branching == policy.AUTO else tuple(
+        int(b) for b in self.branching.split(',') if b)
 
   def decoder(self) -> Tuple[Callable, Dict[str, Any]]:
     """(decode_fn, decode_kwargs) for models.EncoderDecoderModel."""
@@ -351,12 +350,9 @@ def speedups(times: Mapping[Hashable, Sequence[float]], base: Hashable
   """Per key: speedup over `base` (1 / the median over rounds of its time relative to base's in
   the same round, `policy.relative_medians`) and its min and max over rounds."""
   relative = policy.relative_medians(times, base)
-  out = {}
-  for key, seconds in times.items():
-    ratios = np.asarray(times[base]) / np.asarray(seconds)
-    out[key] = {'speedup': 1.0 / relative[key], 'speedup_min': float(ratios.min()),
-                'speedup_max': float(ratios.max())}
-  return out
+  ratios = {key: np.asarray(times[base]) / np.asarray(seconds) for key, seconds in times.items()}
+  return {key: {'speedup': 1.0 / relative[key], 'speedup_min': float(r.min()),
+                'speedup_max': float(r.max())} for key, r in ratios.items()}
 
 
 def collect(outputs: Outputs, num_sentences: int) -> Dict[str, Any]:
@@ -595,10 +591,7 @@ def verify_sizes(settings: Sequence[Setting]) -> List[int]:
 
 def tree_levels(branching: Sequence[int]) -> List[int]:
   """Nodes per depth of one beam's token tree (root first): (4, 2) -> [1, 4, 8]."""
-  levels = [1]
-  for b in branching:
-    levels.append(levels[-1] * b)
-  return levels
+  return np.cumprod((1, *branching)).tolist()
 
 
 def beam_steps_ms(pair: pipeline.Pair, rows: int, branching: Sequence[int]
@@ -665,10 +658,8 @@ def _json_ready(value: Any) -> Any:
     return {str(k): _json_ready(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
     return [_json_ready(v) for v in value]
-  if isinstance(value, np.ndarray):
+  if isinstance(value, (np.ndarray, np.generic)):
     return value.tolist()
-  if isinstance(value, np.generic):
-    return value.item()
   return value
 
 
@@ -691,13 +682,25 @@ def greedy_settings(gammas: str, auto: bool = True) -> List[Setting]:
                                   for g in parse_ints(gammas, '--gammas', auto)]
 
 
-def auto_note(row: Mapping[str, Any]) -> str:
-  """One line on a gamma='auto' row: what the policy measured and the batches per gamma."""
+def auto_note(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> str:
+  """One line on a gamma='auto' row: what the policy measured and the batches per gamma; then
+  its time against the fastest fixed gamma among `rows` of its sampling (by summed time) and the
+  target alone: the median over rounds of their pass time over its in the same round (the
+  figure 'auto' is held to), and their summed times over its."""
   used = ', '.join(f'gamma {g}: {n}' for g, n in row['gammas_used'].items())
   measured = row['policy'].get('measured', {})
-  return (f"{row['name']}: batches per gamma over all passes (the untimed one included), each "
+  line = (f"{row['name']}: batches per gamma over all passes (the untimed one included), each "
           f"pass a job from scratch: {used}; the last pass's ms per output position: " +
           ', '.join(f"gamma {g}: {m['ms_per_position']}" for g, m in measured.items()) + '.')
+  peers = [r for r in rows if not (r['policy'] or r['adaptive']) and all(
+      r[k] == row[k] for k in ('temperature', 'topp', 'verification'))]
+  fixed = [r for r in peers if r['method'] == 'speculative' and r['gamma'] != policy.AUTO]
+  best = [min(fixed, key=lambda r: sum(r['seconds_per_round']))] if fixed else []
+  for other in best + [r for r in peers if r['method'] == 'baseline'][:1]:
+    times = other['seconds_per_round'], row['seconds_per_round']
+    line += (f" Against {other['name']}: {np.median(np.divide(*times)):.3f} by the paired "
+             f"median, {sum(times[0]) / sum(times[1]):.3f} summed.")
+  return line
 
 
 def fmt(value: Any, spec: str) -> str:

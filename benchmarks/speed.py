@@ -223,7 +223,7 @@ def block_markdown(batch_size: str, block: Mapping[str, Any], meta: Mapping[str,
            f"{block['step_ms']['draft']['1']:.2f} ms)", '', steps_line(batch_size, block, meta),
            '']
   lines += harness.table(MAIN_COLUMNS, [main_row(r) for r in block['rows']]) + ['']
-  lines += [harness.auto_note(r) for r in block['rows'] if 'gammas_used' in r]
+  lines += [harness.auto_note(r, block['rows']) for r in block['rows'] if 'gammas_used' in r]
   beams = [r for r in block['rows']
            if r['method'] == 'speculative_beam' and 'steps_per_call' in r]  # ran a tree
   if beams:

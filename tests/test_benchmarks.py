@@ -292,6 +292,25 @@ def test_speedups_per_token_count_each_rounds_own_tokens() -> None:
   assert harness.speedups_per_token(times, tokens, 'base')['x']['speedup_summed_low'] == summed[1]
 
 
+def test_auto_note_holds_auto_to_the_fastest_fixed_gamma_of_its_sampling_round_by_round(
+    ) -> None:
+  def row(setting: Setting, seconds: List[float], **extra: Any) -> Dict[str, Any]:
+    return {'name': setting.name, **setting._asdict(), 'seconds_per_round': seconds, **extra}
+  auto = row(Setting('speculative', gamma='auto'), [1.0, 2.0, 1.0], gammas_used={'2': 9},
+             policy={'measured': {}})
+  rows = [row(Setting('baseline'), [3.0, 3.0, 3.0]),
+          row(Setting('speculative', gamma=1), [1.1, 1.2, 1.3]),  # fastest summed (3.6 s)
+          row(Setting('speculative', gamma=2), [0.9, 1.9, 0.9]),  # fastest per round, not summed
+          row(Setting('speculative', gamma=4, adaptive=True), [0.1, 0.1, 0.1]),  # not a fixed one
+          row(Setting('speculative', 1.0, gamma=1), [0.1, 0.1, 0.1]),  # other sampling
+          auto]
+  note = harness.auto_note(auto, rows)
+  # gamma 1 over auto, round by round: 1.1, 0.6, 1.3 -> median 1.1; summed 3.6 / 4.0.
+  assert 'Against speculative gamma=1 T=0: 1.100 by the paired median, 0.900 summed.' in note
+  assert 'Against target-only T=0: 3.000 by the paired median, 2.250 summed.' in note
+  assert 'T=1' not in note and 'adaptive' not in note
+
+
 def test_drafts_acceptance(tmp_path: pathlib.Path, data_args: List[str]) -> None:
   drafts.main(data_args + ['--out_dir', str(tmp_path), '--gammas', '1,2', '--temperatures', '0',
                            '--sweep_temperature', '0', '--longest', '2', '--max_sentences', '4',
