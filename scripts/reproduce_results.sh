@@ -24,8 +24,8 @@ declare -A RUNS=(
   [calibrate_beam4]="speculative_t5x.calibrate --batch_sizes 1,8,32 --sentences 64 --beam_size 4"
   # The table's greedy, T=1 and beam columns: fresh 192-sentence jobs against every fixed choice
   # (T=1: each round its own draw; at batch 32 a draw decides a 6-batch job, hence 32 rounds).
-  [speed_greedy]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas 1,2,3,4,auto --calibration {OUT}/calibrate_greedy/calibration.json --rounds 12"
-  [speed_t1]="benchmarks.speed --sentences 1:192,8:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 8"
+  [speed_greedy]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas 1,2,3,4,auto --calibration {OUT}/calibrate_greedy/calibration.json --rounds 16"
+  [speed_t1]="benchmarks.speed --sentences 1:192,8:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 12"
   [speed_t1_b32]="benchmarks.speed --sentences 32:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 32"
   [speed_beam4]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas= --beams 4:1,4:auto --calibration {OUT}/calibrate_beam4/calibration.json --rounds 4"
   # The verifiers line: tokens per call on the 1000 test captions, then speed at T=1.

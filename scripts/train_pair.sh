@@ -22,8 +22,10 @@
 #     layer, 3,600 s; speculative_t5x/pretrained/multi30k_de_en_draft_decoder_only.msgpack)
 #   9 feature draft     multi30k_feature_draft.gin          -> OUT/feature_draft.msgpack
 #     (stage 8's draft reading the target's decoder state, with training-time test)
-# Then, with stages 8 and 9: the drafts' vocabulary (OUT/<draft>.msgpack.vocabulary.json for
-# draft, draft_decoder_only_2layers and feature_draft: the tokens of train.en; docs/engine.md).
+#  10 feature draft, 3 layers multi30k_feature_draft_3layers.gin -> OUT/feature_draft_3layers.msgpack
+#     (stage 9 reading the target's layers 2, 4 and 6, EAGLE-3's)
+# Then, with stages 8 to 10: the drafts' vocabulary (OUT/<draft>.msgpack.vocabulary.json for
+# draft, draft_decoder_only_2layers and the feature drafts: the tokens of train.en; docs/engine.md).
 #
 # Every path a stage reads or writes is redirected into OUT, so the shipped weights in
 # speculative_t5x/pretrained/ are never overwritten. A stage whose weights file exists is
@@ -35,7 +37,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/pair}"
 FIRST="${FIRST:-1}"
-LAST="${LAST:-9}"
+LAST="${LAST:-10}"
 DRY_RUN="${DRY_RUN:-}"
 [[ -n "$DRY_RUN" ]] || mkdir -p "$OUT"
 
@@ -88,13 +90,16 @@ stage 8 draft_decoder_only_2layers multi30k_draft_decoder_only_2layers.gin "$tea
   --gin.train.encoder="'$OUT/target.msgpack'" \
   --gin.train.init_from="'$OUT/draft.msgpack'" \
   --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
-stage 9 feature_draft multi30k_feature_draft.gin "$teacher" \
-  --gin.train.encoder="'$OUT/target.msgpack'" \
-  --gin.train.init_from="'$OUT/draft_decoder_only_2layers.msgpack'" \
-  --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+for feature in 9:feature_draft 10:feature_draft_3layers; do
+  stage "${feature%%:*}" "${feature#*:}" "multi30k_${feature#*:}.gin" "$teacher" \
+    --gin.train.encoder="'$OUT/target.msgpack'" \
+    --gin.train.init_from="'$OUT/draft_decoder_only_2layers.msgpack'" \
+    --gin.train.distillation_cache="'$OUT/target_greedy_train_full.npz'"
+done
 if (( LAST >= 8 )); then
   drafts=("$OUT/draft.msgpack" "$OUT/draft_decoder_only_2layers.msgpack")
   (( LAST < 9 )) || drafts+=("$OUT/feature_draft.msgpack")
+  (( LAST < 10 )) || drafts+=("$OUT/feature_draft_3layers.msgpack")
   vocabulary=("${PYTHON:-python}" -c 'import sys
 from speculative_t5x import checkpoints, data
 for path in sys.argv[1:]:
@@ -102,4 +107,4 @@ for path in sys.argv[1:]:
     "${drafts[@]}")
   if [[ -n "$DRY_RUN" ]]; then printf '%q ' "${vocabulary[@]}"; echo; else "${vocabulary[@]}"; fi
 fi
-[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack, draft_decoder_only_2layers.msgpack, feature_draft.msgpack)."
+[[ -n "$DRY_RUN" ]] || echo "The pair is in $OUT: target.msgpack with draft.msgpack (or draft_token_mixed.msgpack, draft_decoder_only.msgpack, draft_decoder_only_on_policy.msgpack, draft_decoder_only_2layers.msgpack, feature_draft.msgpack, feature_draft_3layers.msgpack)."

@@ -82,8 +82,8 @@ class DecodingState:
   cache:     the model's cache (a `network.DecoderCache`, or T5X's flax 'cache' collection).
   logits_at: optional [batch] int32 (not in T5X): only token logits_at[b]'s logits are needed,
              so a tokens_to_logits may return [batch, 1, vocab]; one that ignores it returns all.
-  features:  optional (not in T5X), a feature draft's input: the target's top hidden states
-             [batch, max_length, width] (`network.DecoderCache.features`), each token reading
+  features:  optional (not in T5X), a feature draft's input: the target's hidden states it
+             reads [batch, max_length, width] (`network.DecoderCache.features`), each token reading
              the row of its position - 1.
   """
   cur_index: Array
@@ -461,7 +461,7 @@ class _LoopConfig(NamedTuple):
 
 
 def target_features(target_cache: Any) -> Optional[Array]:
-  """The target's top hidden states [batch, max_length, width] that a feature draft reads, or
+  """The target's hidden states [batch, max_length, width] that a feature draft reads, or
   None: a cache that keeps them (`network.DecoderCache.features`, made for a feature draft)
   has them written by every target call, so they travel through every loop's state."""
   return getattr(target_cache, 'features', None)

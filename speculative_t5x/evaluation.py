@@ -199,21 +199,22 @@ def _feature_draft_loss(model: network.Transformer, params: PyTree, teacher: net
                         divergence: str) -> Tuple[Array, Dict[str, Array]]:
   """Token distillation of a feature draft, summed over tokens, with training-time test.
 
-  The teacher (the target) gives its distributions and top hidden states; pass 1 reads those
-  (each position the target's feature of the position before, as the draft's first call of an
-  iteration does), pass k > 1 the draft's own top hidden states from pass k - 1 (as its later
-  calls read their own). The loss is the mean over passes of `distillation_loss`,
+  The teacher (the target) gives its distributions and the hidden states the draft reads (its
+  top one, or also lower layers'); pass 1 reads those (each position the target's of the
+  position before, as the draft's first call of an iteration does), pass k > 1 the draft's own
+  top hidden states from pass k - 1 (as its later calls read their own). The loss is the mean over passes of `distillation_loss`,
   gradients flowing through the passes (EAGLE-3's training-time test; HASS).
   """
-  teacher_logits, top = jax.lax.stop_gradient(teacher.apply(
-      {'params': teacher_params}, *args, encoded=encoded, return_features=True))
+  teacher_logits, features = jax.lax.stop_gradient(teacher.apply(
+      {'params': teacher_params}, *args, encoded=encoded,
+      return_features=model.config.feature_layers))
   segments = args[4] if args[4] is not None else jnp.ones(args[1].shape, jnp.int32)
-  inputs = {'features': previous_positions(top, segments)}
+  inputs = {'features': previous_positions(features, segments)}
   total, metrics = 0.0, {}
   for k in range(passes):
     pass_rng = jax.random.fold_in(rng, k) if rng is not None else None
     logits, hidden = model.apply({'params': params}, *args, encoded=encoded,
-                                 return_features=True, **inputs, **_dropout(pass_rng))
+                                 return_features=1, **inputs, **_dropout(pass_rng))
     kd = distillation_loss(logits, teacher_logits, weights, temperature, divergence)
     metrics[f'kd_loss_pass_{k + 1}'] = kd
     agree = jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)

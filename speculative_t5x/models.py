@@ -153,10 +153,11 @@ class EncoderDecoderModel:
       raise ValueError(f'Draft and target EOS ids differ: target eos_id {self.eos_id}, '
                        f'draft eos_id {self.draft_eos_id}.')
     _check_reads(self.draft_config, self.target_config, 'draft')
-    width = self.draft_config.feature_width
-    if width and width != self.target_config.emb_dim:
-      raise ValueError(f'The feature draft reads features of width {width}, but the target has '
-                       f'emb_dim {self.target_config.emb_dim}.')
+    count, layers = self.draft_config.feature_layers, self.target_config.num_decoder_layers
+    if count > layers:
+      raise ValueError(f'The feature draft reads {count} hidden states of its target '
+                       f'(feature_width {self.draft_config.feature_width}), which has {layers} '
+                       'decoder layers.')
 
   # ---------------------------------------------------------------------------------------------
 
@@ -223,14 +224,14 @@ class EncoderDecoderModel:
 
   def _init_cache(self, module: network.Transformer, params: Params, encoder_input_tokens: Array,
                   max_length: int, decode_variables: Optional[Mapping[str, Any]] = None,
-                  encoded: Optional[Array] = None, keep_features: bool = False
+                  encoded: Optional[Array] = None, feature_layers: int = 0
                   ) -> network.DecoderCache:
     """An empty decoder cache over `encoded`, or over the module's own encoder output."""
     variables = {'params': params, network.DECODE_COLLECTION: decode_variables or {}}
     if module.config.has_encoder:
       encoded = module.apply(variables, encoder_input_tokens, method=network.Transformer.encode)
     return self.constrain_cache(
-        module.apply(variables, encoded, encoder_input_tokens, max_length, keep_features,
+        module.apply(variables, encoded, encoder_input_tokens, max_length, feature_layers,
                      method=network.Transformer.init_cache))
 
   def init_caches(self, params: Params, encoder_input_tokens: Array, max_length: int,
@@ -239,13 +240,13 @@ class EncoderDecoderModel:
     """A batch's empty (target cache, draft cache) for `max_length` decoder positions; the
     draft's is None without `with_draft` or when `decode_fn` takes no draft. A decoder-only draft
     reads the target's encoder output, computed once; for a feature draft the target's cache
-    keeps its top hidden states (`network.DecoderCache.features`)."""
+    keeps the hidden states it reads (`network.DecoderCache.features`)."""
     prepared = params.get('decode', {})
     encoded = self._encode(params, encoder_input_tokens, prepared)
     with_draft = self.uses_draft and with_draft
     cache = self._init_cache(self.module, params['target'], encoder_input_tokens, max_length,
                              prepared.get('target'), encoded,
-                             bool(with_draft and self.draft_config.feature_width))
+                             self.draft_config.feature_layers if with_draft else 0)
     if not with_draft:
       return cache, None
     return cache, self._init_cache(self.draft_module, params['draft'], encoder_input_tokens,

@@ -67,9 +67,10 @@ class T5Config:
     projections take inputs of this width, the target's emb_dim.
   feature_width: 0, or a feature draft (EAGLE-style; decoder-only, so encoded_width is set too):
     its decoder's input at position p is `input_projection([token embedding; feature])`, the
-    feature being the target decoder's top hidden state at p - 1 (after its final norm, width
-    feature_width, the target's emb_dim) through `feature_projection`, or, at a position the
-    draft proposes beyond what the target has scored, its own top hidden state at p - 1.
+    feature being the target decoder's hidden states at p - 1 through `feature_projection`, or,
+    at a position the draft proposes beyond what the target has scored, its own top hidden state
+    at p - 1. feature_width is a multiple of the target's emb_dim (= encoded_width): the target's
+    top hidden state, or (EAGLE-3) also lower layers' outputs (`feature_layers`).
   """
   vocab_size: int
   dtype: DType = jnp.float32
@@ -100,6 +101,14 @@ class T5Config:
     if self.feature_width and not self.encoded_width:
       raise ValueError(f'A feature draft (feature_width {self.feature_width}) reads the '
                        "target's encoder output: set encoded_width to the target's emb_dim.")
+    if self.feature_width % max(self.encoded_width, 1):
+      raise ValueError(f'A feature draft reads whole hidden states of its target: feature_width '
+                       f'{self.feature_width} is no multiple of encoded_width {self.encoded_width}.')
+
+  @property
+  def feature_layers(self) -> int:
+    """How many of its target's layers a feature draft reads (0: not a feature draft)."""
+    return self.feature_width // self.encoded_width if self.feature_width else 0
 
   @property
   def has_encoder(self) -> bool:
@@ -478,8 +487,9 @@ class DecoderCache:
                           [batch, heads, max_length, head_dim] (KEY_LAYOUT, VALUE_LAYOUT).
   cross_key, cross_value: per decoder layer, the same layouts over encoder_length.
   encoder_mask: [batch, encoder_length] bool, non-padding encoder positions.
-  features:     None, or (a target paired with a feature draft) [batch, max_length, emb], the
-                decoder's top hidden state (after its final norm) at each position written.
+  features:     None, or (a target paired with a feature draft) [batch, max_length, k * emb],
+                the hidden states a feature draft reads at each position written
+                (`Decoder._features`).
   hidden:       None, or (a feature draft) [batch, emb], its own top hidden state at the
                 position of its last call's logits: the feature of the token it proposes next.
 
@@ -547,6 +557,12 @@ class DecoderCache:
     pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
     return self.replace(self_key=tuple(pad(k, 3) for k in self.self_key),
                         self_value=tuple(pad(v, 2) for v in self.self_value))
+
+
+def feature_layer_counts(num_layers: int, count: int) -> Tuple[int, ...]:
+  """After how many of a decoder's `num_layers` layers each of a feature draft's `count` hidden
+  states is taken: evenly spaced, the last the top (EAGLE-3's low, middle and top for 3)."""
+  return tuple(num_layers * j // count for j in range(1, count + 1))
 
 
 def _mask_bias(mask: Array) -> Array:
@@ -620,6 +636,13 @@ class Decoder(nn.Module):
     feature = self.feature_projection(features) if features is not None else own
     return self.input_projection(jnp.concatenate([y, feature.astype(y.dtype)], axis=-1))
 
+  def _features(self, states: Sequence[Array], top: Array, count: int) -> Array:
+    """A feature draft's reading of this decoder: states, each layer's output [batch, k, emb],
+    top, the last one after the final norm -> [batch, k, count * emb], the outputs of the
+    layers `feature_layer_counts` names, each after the final norm (the last one is top)."""
+    counts = feature_layer_counts(len(states), count)[:-1]
+    return jnp.concatenate([self.decoder_norm(states[c - 1]) for c in counts] + [top], axis=-1)
+
   def _logits(self, top: Array, deterministic: bool) -> Array:
     """Logits of the top hidden states after the final norm (`decoder_norm`)."""
     y = self.dropout(top, deterministic=deterministic)
@@ -651,14 +674,15 @@ class Decoder(nn.Module):
                decoder_target_tokens: Array, encoder_segment_ids: Optional[Array] = None,
                decoder_segment_ids: Optional[Array] = None,
                deterministic: bool = True, features: Optional[Array] = None,
-               own_features: Optional[Array] = None, return_features: bool = False
+               own_features: Optional[Array] = None, return_features: int = 0
                ) -> Union[Array, Tuple[Array, Array]]:
     """Teacher-forced decoder: [batch, length] inputs -> logits [batch, length, vocab] (float32).
 
     As in T5X, positions where `decoder_target_tokens` is 0 are masked as padding. A feature
     draft reads each position's feature (`_inputs`): features [batch, length, feature_width]
     or own_features [batch, length, emb], row p the feature of position p - 1 (zero at 0).
-    return_features: (logits, top hidden states [batch, length, emb] after the final norm).
+    return_features: k > 0 returns (logits, `_features` of k hidden states [batch, length,
+    k * emb]); k = 1 (or True): the top one after the final norm.
     """
     length = decoder_input_tokens.shape[1]
     valid = decoder_target_tokens > 0
@@ -674,11 +698,15 @@ class Decoder(nn.Module):
     cross_bias = _mask_bias(cross_mask)
     y = self.dropout(self._inputs(decoder_input_tokens, features, own_features),
                      deterministic=deterministic)
+    states = []
     for layer in self.layers:
       y, _ = layer(y, self_bias, layer.cross_kv(encoded), cross_bias, deterministic=deterministic)
+      states.append(y)
     top = self.decoder_norm(y)
     logits = self._logits(top, deterministic)
-    return (logits, top) if return_features else logits
+    if not return_features:
+      return logits
+    return logits, self._features(states, top, int(return_features))
 
   def decode_step(self, tokens: Array, cache: DecoderCache, num_new: Optional[Array] = None,
                   logits_at: Optional[Array] = None, features: Optional[Array] = None
@@ -717,15 +745,17 @@ class Decoder(nn.Module):
     """Writes the inputs y [batch, k, emb] (`_inputs`) at cache slots write_slots [batch, k],
     attends with self_bias [batch, heads, k, max_length]; returns (logits [batch, k, vocab], or
     [batch, 1, vocab] at the offsets logits_at [batch], cache, index unchanged). A cache with
-    `features` gets the top hidden states at the same slots; one with `hidden`, the one of the
-    last token (of token logits_at[b])."""
+    `features` gets the hidden states a feature draft reads (`_features`, as many as its width
+    holds) at the same slots; one with `hidden`, the top one of the last token (of token
+    logits_at[b])."""
     cross_bias = _mask_bias(cache.encoder_mask[:, None, None, :])
-    keys, values = [], []
+    keys, values, states = [], [], []
     for i, layer in enumerate(self.layers):
       y, (key, value) = layer(y, self_bias, (cache.cross_key[i], cache.cross_value[i]), cross_bias,
                               self_cache=(cache.self_key[i], cache.self_value[i], write_slots))
       keys.append(key)
       values.append(value)
+      states.append(y)
     new_cache = cache.replace(self_key=tuple(keys), self_value=tuple(values))
     if logits_at is not None:
       y = jnp.take_along_axis(y, logits_at[:, None, None], axis=1)
@@ -733,8 +763,9 @@ class Decoder(nn.Module):
     if cache.features is not None:
       if logits_at is not None:
         raise ValueError("A target's features are kept for every token it is fed: no logits_at.")
-      new_cache = new_cache.replace(
-          features=_write_rows(cache.features, top, write_slots, axis=1))
+      count = cache.features.shape[-1] // top.shape[-1]
+      new_cache = new_cache.replace(features=_write_rows(
+          cache.features, self._features(states, top, count), write_slots, axis=1))
     if cache.hidden is not None:
       new_cache = new_cache.replace(hidden=top[:, -1].astype(cache.hidden.dtype))
     return self._logits(top, deterministic=True), new_cache
@@ -827,13 +858,13 @@ class Transformer(nn.Module):
                        enable_dropout, **feature_args)
 
   def init_cache(self, encoded: Array, encoder_input_tokens: Array,
-                 max_length: int, keep_features: bool = False) -> DecoderCache:
+                 max_length: int, feature_layers: int = 0) -> DecoderCache:
     """An empty cache (every row at index 0) for `max_length` decoder positions.
 
     encoded [batch, enc_length, emb], encoder_input_tokens [batch, enc_length] (0 = padding).
-    Cross-attention keys/values are computed here, once. keep_features: a target's cache keeps
-    its top hidden states for a feature draft (`DecoderCache.features`); a feature draft's
-    cache always has its own `hidden`.
+    Cross-attention keys/values are computed here, once. feature_layers: a target's cache keeps
+    this many hidden states a position for a feature draft (`DecoderCache.features`); a feature
+    draft's cache always has its own `hidden`.
     """
     cfg = self.config
     batch = encoded.shape[0]
@@ -846,8 +877,8 @@ class Transformer(nn.Module):
         index=jnp.zeros((batch,), jnp.int32), self_key=(empty_key,) * n,
         self_value=(empty_value,) * n, cross_key=tuple(k for k, _ in cross),
         cross_value=tuple(v for _, v in cross), encoder_mask=encoder_input_tokens > 0,
-        features=(jnp.zeros((batch, max_length, cfg.emb_dim), top_dtype) if keep_features
-                  else None),
+        features=(jnp.zeros((batch, max_length, feature_layers * cfg.emb_dim), top_dtype)
+                  if feature_layers else None),
         hidden=jnp.zeros((batch, cfg.emb_dim), top_dtype) if cfg.feature_width else None)
 
   def decode_step(self, tokens: Array, cache: DecoderCache, num_new: Optional[Array] = None,

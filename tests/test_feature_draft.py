@@ -1,7 +1,9 @@
 """A feature draft (EAGLE-style, `T5Config.feature_width`): it reads the target's top hidden
-states, which the target's cache keeps (`DecoderCache.features`) and every loop carries."""
+states (or, EAGLE-3's, lower layers' too), which the target's cache keeps
+(`DecoderCache.features`) and every loop carries."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +25,15 @@ TARGET = random_model(TARGET_CFG, seed=4, logit_scale=4.0)  # (its greedy output
 FEATURE_CFG = dataclasses.replace(TARGET_CFG, num_encoder_layers=0,
                                   encoded_width=TARGET_CFG.emb_dim,
                                   feature_width=TARGET_CFG.emb_dim)
+TWO_STATES_CFG = dataclasses.replace(FEATURE_CFG, feature_width=2 * TARGET_CFG.emb_dim)
 
 
-def _feature_mirror(noise: float):
+def _feature_mirror(noise: float, config: network.T5Config = FEATURE_CFG):
   """The target's decoder as a feature draft whose input adds noise x a random projection of the
   feature to the embedding: at noise 0 it is the target (every token accepted); at 0.5 it
   agrees on about half (greedy, gamma 1), and what it proposes depends on the features."""
   params = {k: v for k, v in TARGET[1].items() if k != 'encoder'}
-  init, _ = network.init_params(FEATURE_CFG, jax.random.PRNGKey(3))
+  init, _ = network.init_params(config, jax.random.PRNGKey(3))
   emb = TARGET_CFG.emb_dim
   mix = jax.random.normal(jax.random.PRNGKey(5), (emb, emb)) / emb ** 0.5
   params['decoder'] = dict(
@@ -62,10 +65,10 @@ def _shifted(features):
   return jnp.pad(features, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
 
-@jax.jit
-def _with_features(params, enc, dec_in):
+@functools.partial(jax.jit, static_argnames='count')
+def _with_features(params, enc, dec_in, count=1):
   return TARGET[0].apply({'params': params}, enc, dec_in, jnp.ones_like(dec_in),
-                         return_features=True)
+                         return_features=count)
 
 
 def _teacher_forced(enc, dec_in):
@@ -86,9 +89,11 @@ def test_a_feature_draft_config_reads_the_target_width():
   network.validate_params(params, FEATURE_CFG)
   with pytest.raises(ValueError, match='set encoded_width'):
     tiny_config(num_encoder_layers=0, feature_width=16)
-  wrong = dataclasses.replace(FEATURE_CFG, feature_width=24)
-  with pytest.raises(ValueError, match='features of width 24, but the target has emb_dim 16'):
-    models.EncoderDecoderModel(TARGET_CFG, wrong)
+  with pytest.raises(ValueError, match='feature_width 24 is no multiple of encoded_width 16'):
+    dataclasses.replace(FEATURE_CFG, feature_width=24)
+  three = dataclasses.replace(FEATURE_CFG, feature_width=48)
+  with pytest.raises(ValueError, match='reads 3 hidden states of its target .* has 2 decoder'):
+    models.EncoderDecoderModel(TARGET_CFG, three)
 
 
 def test_the_cached_steps_are_the_teacher_forced_pass():
@@ -100,7 +105,7 @@ def test_the_cached_steps_are_the_teacher_forced_pass():
   _, top, draft_logits = _teacher_forced(enc, dec_in)
   target_vars = {'params': TARGET[1]}
   encoded = apply(TARGET[0], target_vars, enc, method=network.Transformer.encode)
-  cache = apply(TARGET[0], target_vars, encoded, enc, 8, True,
+  cache = apply(TARGET[0], target_vars, encoded, enc, 8, 1,
                 method=network.Transformer.init_cache)
   _, cache = apply(TARGET[0], target_vars, dec_in, cache, method=network.Transformer.decode_step)
   np.testing.assert_allclose(cache.features[:, :6], top, atol=1e-5)
@@ -136,6 +141,30 @@ def test_greedy_decoding_with_a_feature_draft_is_the_target_s(decoder):
       'bild': (decoding.bild_decode, {'rollback_threshold': 0.0}),
   }[decoder]
   _, ours, stats = _predict(fn, temperature=0.0, **kwargs)
+  _, theirs, _ = _predict(decoding.temperature_sample, temperature=0.0)
+  np.testing.assert_array_equal(ours, theirs)
+  assert stats['accepted'].sum() > 0 and stats['rollbacks'].sum() > 0
+
+
+def test_a_draft_reading_two_layers_gets_the_lower_one_beside_the_top_and_stays_exact():
+  """EAGLE-3's reading: the target's cache keeps its first layer's output (after the final
+  norm) beside the top hidden state, as its teacher-forced pass gives them, and a draft reading
+  both decodes the target's greedy output."""
+  assert network.feature_layer_counts(6, 3) == (2, 4, 6)
+  assert network.feature_layer_counts(2, 2) == (1, 2) and TWO_STATES_CFG.feature_layers == 2
+  enc = ragged_tokens(jax.random.PRNGKey(2), 3, 7, TARGET_CFG.vocab_size)
+  dec_in = ragged_tokens(jax.random.PRNGKey(4), 3, 6, TARGET_CFG.vocab_size, min_length=6)
+  target_vars = {'params': TARGET[1]}
+  _, both = _with_features(TARGET[1], enc, dec_in, count=2)
+  _, top = _with_features(TARGET[1], enc, dec_in)
+  np.testing.assert_allclose(both[..., 16:], top, atol=1e-6)
+  assert np.abs(both[..., :16] - top).max() > 0.1  # (the lower layer's own state)
+  encoded = apply(TARGET[0], target_vars, enc, method=network.Transformer.encode)
+  cache = apply(TARGET[0], target_vars, encoded, enc, 8, 2, method=network.Transformer.init_cache)
+  _, cache = apply(TARGET[0], target_vars, dec_in, cache, method=network.Transformer.decode_step)
+  np.testing.assert_allclose(cache.features[:, :6], both, atol=1e-5)
+  draft = (TWO_STATES_CFG, _feature_mirror(0.5, TWO_STATES_CFG))
+  _, ours, stats = _predict(decoding.speculative_sample, draft=draft, temperature=0.0, gamma=4)
   _, theirs, _ = _predict(decoding.temperature_sample, temperature=0.0)
   np.testing.assert_array_equal(ours, theirs)
   assert stats['accepted'].sum() > 0 and stats['rollbacks'].sum() > 0

@@ -139,12 +139,12 @@ def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
   printed = subprocess.run(['bash', str(REPO / 'scripts' / 'train_pair.sh'), str(out)],
                            env={**os.environ, 'DRY_RUN': '1'}, capture_output=True, text=True,
                            check=True, cwd=REPO).stdout.splitlines()
-  assert len(printed) == 10 and not out.exists()
+  assert len(printed) == 11 and not out.exists()
   # After the stages, the drafts' vocabulary files (their tokens: test_pretrained).
-  assert shlex.split(printed[9])[-3:] == [str(out / f'{n}.msgpack') for n in (
-      'draft', 'draft_decoder_only_2layers', 'feature_draft')]
+  assert shlex.split(printed[10])[-4:] == [str(out / f'{n}.msgpack') for n in (
+      'draft', 'draft_decoder_only_2layers', 'feature_draft', 'feature_draft_3layers')]
   bound = []
-  for line in printed[:9]:
+  for line in printed[:10]:
     words = shlex.split(line)
     gin_file = words[words.index('-m') + 2].split('=', 1)[1]
     bindings = [w[len('--gin.'):] for w in words
@@ -159,12 +159,12 @@ def test_train_pair_script_chains_every_stage_inside_its_folder(tmp_path):
   assert exports == [str(out / n) + '.msgpack' for n in (
       'target', 'draft_undistilled', 'draft_seq_6000', 'draft', 'draft_token_mixed',
       'draft_decoder_only', 'draft_decoder_only_on_policy', 'draft_decoder_only_2layers',
-      'feature_draft')]
+      'feature_draft', 'feature_draft_3layers')]
   for i, b in enumerate(bound):
     assert all(str(v).startswith(str(out)) for v in b.values()), b
     if i >= 2:  # the distillation stages; the decoder-only drafts start from stage 4's
       assert b['teacher'] == exports[0] and b['init_from'] == exports[
-          {5: 3, 6: 5, 7: 3}.get(i, i - 1)], b
+          {5: 3, 6: 5, 7: 3, 9: 7}.get(i, i - 1)], b
     if i >= 5:  # (the drafts over the target's encoder)
       assert b['encoder'] == exports[0], b
 
