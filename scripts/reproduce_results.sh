@@ -26,7 +26,7 @@ declare -A RUNS=(
   # (T=1: each round its own draw; at batch 32 a draw decides a 6-batch job, hence 32 rounds).
   [speed_greedy]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas 1,2,3,4,auto --calibration {OUT}/calibrate_greedy/calibration.json --rounds 16"
   [speed_t1]="benchmarks.speed --sentences 1:192,8:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 12"
-  [speed_t1_b32]="benchmarks.speed --sentences 32:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 32"
+  [speed_t1_b32]="benchmarks.speed --sentences 32:192 --gammas= --sampling_gammas 1,2,3,4,auto --calibration {OUT}/calibrate_t1/calibration.json --rounds 64"
   [speed_beam4]="benchmarks.speed --sentences 1:192,8:192,32:192 --gammas= --beams 4:1,4:auto --calibration {OUT}/calibrate_beam4/calibration.json --rounds 4"
   # The verifiers line: tokens per call on the 1000 test captions, then speed at T=1.
   [verifiers]="benchmarks.verifiers --count_sentences 1000 --gammas 2,4 --trees 2;2,1;3,1;2,1,1,1 --sentences 1:64,8:192,32:320 --speed_gammas 1,2 --speed_trees 2;3,1 --rounds 3"
