@@ -93,10 +93,10 @@ def _trees(pair: str, batch_size: int, speedups: Sequence[float], batch_ms: floa
 # Each pair's scenarios are calibrated on its speed run (192 captions, 2-core CPU; in git
 # history: results/cpu/policy_decoder_only_draft.md and policy_sampling_decoder_only_draft.md
 # for the embedded pair, results/cpu/policy.md for the separate draft): fixed choices'
-# speedups where measured, the others ordered as the policy's measurements there. Noise: at batch 1, 96 captions timed one by one,
-# gamma 0, 1 and 4 interleaved, left a log-normal sigma around a fixed + per-position fit of
-# 0.10 (greedy target alone) to 0.17 (gamma 4), 0.15 to 0.27 at T=1; larger batches average
-# over more rows.
+# speedups where measured, the others ordered as the policy's measurements there. Noise: at batch
+# 1, 96 captions timed one by one, gamma 0, 1 and 4 interleaved, left a log-normal sigma around a
+# fixed + per-position fit of 0.10 (greedy target alone) to 0.17 (gamma 4), 0.15 to 0.27 at T=1;
+# larger batches average over more rows.
 EMBEDDED, SEPARATE = 'embedded pair', 'separate draft'
 SCENARIOS: Tuple[Scenario, ...] = (
     _gammas(EMBEDDED, 1, 'greedy', (1.0, 1.22, 1.47, 1.62, 1.73), 34.6, 0.10, 0.06),

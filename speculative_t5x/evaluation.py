@@ -202,8 +202,9 @@ def _feature_draft_loss(model: network.Transformer, params: PyTree, teacher: net
   The teacher (the target) gives its distributions and the hidden states the draft reads (its
   top one, or also lower layers'); pass 1 reads those (each position the target's of the
   position before, as the draft's first call of an iteration does), pass k > 1 the draft's own
-  top hidden states from pass k - 1 (as its later calls read their own). The loss is the mean over passes of `distillation_loss`,
-  gradients flowing through the passes (EAGLE-3's training-time test; HASS).
+  top hidden states from pass k - 1 (as its later calls read their own). The loss is the mean
+  over passes of `distillation_loss`, gradients flowing through the passes (EAGLE-3's
+  training-time test; HASS).
   """
   teacher_logits, features = jax.lax.stop_gradient(teacher.apply(
       {'params': teacher_params}, *args, encoded=encoded,

@@ -102,8 +102,9 @@ class T5Config:
       raise ValueError(f'A feature draft (feature_width {self.feature_width}) reads the '
                        "target's encoder output: set encoded_width to the target's emb_dim.")
     if self.feature_width % max(self.encoded_width, 1):
-      raise ValueError(f'A feature draft reads whole hidden states of its target: feature_width '
-                       f'{self.feature_width} is no multiple of encoded_width {self.encoded_width}.')
+      raise ValueError(f'A feature draft reads whole hidden states of its target: '
+                       f'feature_width {self.feature_width} is no multiple of encoded_width '
+                       f'{self.encoded_width}.')
 
   @property
   def feature_layers(self) -> int:
